@@ -1,0 +1,3 @@
+"""KV offload tiers and retention policies over pages (see README)."""
+
+__all__: list[str] = []

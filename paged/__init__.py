@@ -1,0 +1,3 @@
+"""KV storage and attention over pages (see README)."""
+
+__all__: list[str] = []
