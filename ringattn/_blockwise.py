@@ -59,12 +59,15 @@ class BlockSizes:
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
             if not _is_positive_int(getattr(self, name)):
-                raise ValueError(f"BlockSizes.{name}: expected a positive int, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"BlockSizes.{name}: expected a positive int, got {getattr(self, name)!r}"
+                )
         for name in ("block_q_bwd", "block_kv_bwd"):
             value = getattr(self, name)
             if value is not None and not _is_positive_int(value):
-                raise ValueError(f"BlockSizes.{name}: expected a positive int or None, got {value!r}")
+                raise ValueError(
+                    f"BlockSizes.{name}: expected a positive int or None, got {value!r}"
+                )
 
     @property
     def backward(self) -> tuple[int, int]:
@@ -204,9 +207,7 @@ def forward_heads_major(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelCon
         def step(j, state):
             return lax.switch(
                 summ.kind(cfg, i, j),
-                [lambda st: st,
-                 lambda st: visit(j, st, False),
-                 lambda st: visit(j, st, True)],
+                [lambda st: st, lambda st: visit(j, st, False), lambda st: visit(j, st, True)],
                 state,
             )
 
@@ -221,8 +222,9 @@ def forward_heads_major(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelCon
     return out, lse
 
 
-def backward_heads_major(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta,
-                         cfg: KernelConfig):
+def backward_heads_major(
+    qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, cfg: KernelConfig
+):
     """Blockwise backward on padded heads-major arrays.
 
     Args:
@@ -259,28 +261,36 @@ def backward_heads_major(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, de
                 qs = None if q_seg is None else _slice(q_seg, i * bq, bq, 1)
                 s = _apply_mask(s, _block_mask(cfg, qp, kp, qs, ks, j * bk))
             p = jnp.exp(s - _slice(lse_safe, i * bq, bq, 3)[..., None])
-            dv = dv + jnp.einsum("bkgqs,bkgqh->bksh", p.astype(do_blk.dtype), do_blk,
-                                 preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bkgqh,bksh->bkgqs", do_blk, v_blk,
-                            preferred_element_type=jnp.float32)
+            dv = dv + jnp.einsum(
+                "bkgqs,bkgqh->bksh",
+                p.astype(do_blk.dtype),
+                do_blk,
+                preferred_element_type=jnp.float32,
+            )
+            dp = jnp.einsum("bkgqh,bksh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
             ds = p * (dp - _slice(delta, i * bq, bq, 3)[..., None])
             if softcap is not None:
                 ds = ds * (1.0 - t * t)
             ds = ds * cfg.scale
-            dq_blk = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k_blk.dtype), k_blk,
-                                preferred_element_type=jnp.float32)
-            dq = lax.dynamic_update_slice_in_dim(
-                dq, _slice(dq, i * bq, bq, 3) + dq_blk, i * bq, 3)
-            dk = dk + jnp.einsum("bkgqs,bkgqh->bksh", ds.astype(q_blk.dtype), q_blk,
-                                 preferred_element_type=jnp.float32)
+            dq_blk = jnp.einsum(
+                "bkgqs,bksh->bkgqh",
+                ds.astype(k_blk.dtype),
+                k_blk,
+                preferred_element_type=jnp.float32,
+            )
+            dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 3) + dq_blk, i * bq, 3)
+            dk = dk + jnp.einsum(
+                "bkgqs,bkgqh->bksh",
+                ds.astype(q_blk.dtype),
+                q_blk,
+                preferred_element_type=jnp.float32,
+            )
             return dq, dk, dv
 
         def step(i, carry):
             return lax.switch(
                 summ.kind(cfg, i, j),
-                [lambda c: c,
-                 lambda c: visit(i, c, False),
-                 lambda c: visit(i, c, True)],
+                [lambda c: c, lambda c: visit(i, c, False), lambda c: visit(i, c, True)],
                 carry,
             )
 
@@ -327,24 +337,34 @@ def pad_ids(x, length: int):
     return None if x is None else _pad_axis(x, 1, length, mode="edge")
 
 
-def make_kernel_config(mask: MaskSpec, head_dim: int, T: int, S: int, block_q: int,
-                       block_kv: int) -> tuple[KernelConfig, int, int]:
+def make_kernel_config(
+    mask: MaskSpec, head_dim: int, T: int, S: int, block_q: int, block_kv: int
+) -> tuple[KernelConfig, int, int]:
     """Clamps block sizes to the lengths; returns ``(config, padded T, padded S)``."""
     bq, bk = min(block_q, T), min(block_kv, S)
-    cfg = KernelConfig(mask=mask, scale=resolve_scale(mask.scale, head_dim),
-                       block_q=bq, block_kv=bk, kv_len=S)
+    cfg = KernelConfig(
+        mask=mask, scale=resolve_scale(mask.scale, head_dim), block_q=bq, block_kv=bk, kv_len=S
+    )
     return cfg, _round_up(T, bq), _round_up(S, bk)
 
 
-def attention_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSpec,
-                      block_sizes: BlockSizes):
+def attention_forward(
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSpec, block_sizes: BlockSizes
+):
     """Canonical-layout forward: ``(out [B, T, N, H] float32, lse [B, T, N] float32)``."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(mask, H, T, S, block_sizes.block_q, block_sizes.block_kv)
     out, lse = forward_heads_major(
-        q_to_heads_major(q, K, Tp), kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp),
-        pad_ids(q_pos, Tp), pad_ids(kv_pos, Sp), pad_ids(q_seg, Tp), pad_ids(kv_seg, Sp), cfg)
+        q_to_heads_major(q, K, Tp),
+        kv_to_heads_major(k, Sp),
+        kv_to_heads_major(v, Sp),
+        pad_ids(q_pos, Tp),
+        pad_ids(kv_pos, Sp),
+        pad_ids(q_seg, Tp),
+        pad_ids(kv_seg, Sp),
+        cfg,
+    )
     return q_from_heads_major(out, T), q_from_heads_major(lse, T)
 
 
@@ -354,8 +374,21 @@ def attention_delta(out, dout, dlse):
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-def attention_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, *,
-                       mask: MaskSpec, block_sizes: BlockSizes):
+def attention_backward(
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    q_seg,
+    kv_seg,
+    lse,
+    dout,
+    delta,
+    *,
+    mask: MaskSpec,
+    block_sizes: BlockSizes,
+):
     """Canonical-layout backward for one key set: float32 ``(dq, dk, dv)``.
 
     ``lse [B, T, N]`` and ``delta [B, T, N]`` describe the complete attention (all key sets)
@@ -366,17 +399,26 @@ def attention_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, 
     bq, bk = block_sizes.backward
     cfg, Tp, Sp = make_kernel_config(mask, H, T, S, bq, bk)
     dq, dk, dv = backward_heads_major(
-        q_to_heads_major(q, K, Tp), kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp),
-        pad_ids(q_pos, Tp), pad_ids(kv_pos, Sp), pad_ids(q_seg, Tp), pad_ids(kv_seg, Sp),
-        q_to_heads_major(lse, K, Tp), q_to_heads_major(dout, K, Tp),
-        q_to_heads_major(delta, K, Tp), cfg)
+        q_to_heads_major(q, K, Tp),
+        kv_to_heads_major(k, Sp),
+        kv_to_heads_major(v, Sp),
+        pad_ids(q_pos, Tp),
+        pad_ids(kv_pos, Sp),
+        pad_ids(q_seg, Tp),
+        pad_ids(kv_seg, Sp),
+        q_to_heads_major(lse, K, Tp),
+        q_to_heads_major(dout, K, Tp),
+        q_to_heads_major(delta, K, Tp),
+        cfg,
+    )
     return q_from_heads_major(dq, T), kv_from_heads_major(dk, S), kv_from_heads_major(dv, S)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, block_sizes):
-    out, lse = attention_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask=mask,
-                                 block_sizes=block_sizes)
+    out, lse = attention_forward(
+        q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask=mask, block_sizes=block_sizes
+    )
     return out.astype(q.dtype), lse
 
 
@@ -389,8 +431,9 @@ def _attention_bwd(mask, block_sizes, residuals, cotangents):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
     dout, dlse = cotangents
     delta = attention_delta(out, dout, dlse)
-    dq, dk, dv = attention_backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta,
-                                    mask=mask, block_sizes=block_sizes)
+    dq, dk, dv = attention_backward(
+        q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, mask=mask, block_sizes=block_sizes
+    )
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
@@ -463,9 +506,18 @@ def blockwise_attention(
     if block_sizes is None:
         block_sizes = BlockSizes()
     elif not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"{fn}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+        raise ValueError(
+            f"{fn}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}"
+        )
     q_seg, kv_seg, q_pos, kv_pos = normalize_mask_inputs(
-        fn, B, T, S, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        q_positions=q_positions, kv_positions=kv_positions)
+        fn,
+        B,
+        T,
+        S,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+    )
     out, lse = _attention_jit(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, block_sizes)
     return (out, lse) if return_lse else out

@@ -38,7 +38,8 @@ class MaskSpec:
 
     def __post_init__(self):
         if self.window is not None and (
-            isinstance(self.window, bool) or not isinstance(self.window, (int, np.integer))
+            isinstance(self.window, bool)
+            or not isinstance(self.window, (int, np.integer))
             or self.window < 1
         ):
             raise ValueError(f"window: expected a positive int or None, got {self.window!r}")
@@ -99,7 +100,9 @@ def check_qkv(fn: str, q, k, v) -> tuple[int, int, int, int, int, int]:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ValueError(f"{fn}: {name} must be an array, got {type(x).__name__}")
         if x.ndim != 4:
-            raise ValueError(f"{fn}: {name} must have rank 4 ([B, T|S, N|K, H]), got {_shape_str(x)}")
+            raise ValueError(
+                f"{fn}: {name} must have rank 4 ([B, T|S, N|K, H]), got {_shape_str(x)}"
+            )
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{fn}: {name} must be floating point, got {_shape_str(x)}")
     B, T, N, H = q.shape

@@ -13,7 +13,6 @@ rows live in one place:
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 

@@ -56,8 +56,14 @@ def attention_reference(
     B, T, S, N, K, H = check_qkv(fn, q, k, v)
     MaskSpec(causal=causal, window=window, softcap=softcap, scale=scale)
     q_seg, kv_seg, q_pos, kv_pos = normalize_mask_inputs(
-        fn, B, T, S, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        q_positions=q_positions, kv_positions=kv_positions,
+        fn,
+        B,
+        T,
+        S,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
     )
     G = N // K
     qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
@@ -66,8 +72,9 @@ def attention_reference(
     logits = jnp.einsum("btkgh,bskh->bkgts", qf, kf) * resolve_scale(scale, H)
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
-    mask = attention_mask(q_pos, kv_pos, causal=causal, window=window,
-                          q_segment_ids=q_seg, kv_segment_ids=kv_seg)  # [B, T, S]
+    mask = attention_mask(
+        q_pos, kv_pos, causal=causal, window=window, q_segment_ids=q_seg, kv_segment_ids=kv_seg
+    )  # [B, T, S]
     logits = jnp.where(mask[:, None, None], logits, -jnp.inf)  # [B, K, G, T, S]
     m = jnp.max(logits, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isneginf(m), 0.0, m)

@@ -8,14 +8,14 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_threefry_partitionable", True)
 
-import pytest  # noqa: E402
+import pytest
 
-from tests._util import make_test_mesh  # noqa: E402
+from tests._util import make_test_mesh
 
 
 @pytest.fixture
