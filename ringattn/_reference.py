@@ -1,5 +1,8 @@
 """The dense float32 oracle that every fast path in the library is tested against."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -65,11 +68,31 @@ def attention_reference(
         q_positions=q_positions,
         kv_positions=kv_positions,
     )
+    out, lse = _reference(
+        q,
+        k,
+        v,
+        q_pos,
+        kv_pos,
+        q_seg,
+        kv_seg,
+        bool(causal),
+        window,
+        softcap,
+        resolve_scale(scale, H),
+    )
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnums=(7, 8, 9, 10))
+def _reference(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, softcap, scale):
+    B, T, N, H = q.shape
+    K = k.shape[2]
     G = N // K
     qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
     kf = k.astype(jnp.float32)
     vf = v.astype(jnp.float32)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qf, kf) * resolve_scale(scale, H)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qf, kf) * scale
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
     mask = attention_mask(
@@ -84,8 +107,6 @@ def attention_reference(
     denom_safe = jnp.where(empty, 1.0, denom)
     out = jnp.einsum("bkgts,bskh->btkgh", p / denom_safe, vf).reshape(B, T, N, H)
     out = out.astype(q.dtype)
-    if not return_lse:
-        return out
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(denom_safe))[..., 0]  # [B, K, G, T]
     lse = lse.transpose(0, 3, 1, 2).reshape(B, T, N)
     return out, lse
