@@ -1,0 +1,297 @@
+"""Decode over mixed residency: device-resident pages, optionally merged with cold pages.
+
+Residency is two page tables of the same shape ``[B, M]`` over pools of the same shape
+``[K, P, C, H]``: ``device_table`` points into the device pool, ``cold_table`` into the cold
+pool (pages demoted to host or disk and fetched for this step); ``0`` (the null page) means
+"absent from this tier". A slot must be non-zero in at most one table (:func:`split_residency`
+guarantees it). Each part is an ordinary ``paged.paged_attention`` call returning
+``(out, lse)``, and :func:`ringattn.merge_attention` combines them exactly, so with every
+evicted page fetched the result equals full attention; without the cold part it is the
+retention policy's approximation, and the attention mass it keeps is reported:
+
+* exactly, as ``exp(lse_device - lse_full)`` when the cold part is given
+  (:func:`mass_kept_from_lse`);
+* from a page-mass observation otherwise (:func:`mass_kept_from_page_mass`).
+"""
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from paged import paged_attention
+from ringattn import merge_attention
+
+__all__ = [
+    "MixedAttention",
+    "mass_kept_from_lse",
+    "mass_kept_from_page_mass",
+    "mixed_residency_attention",
+    "split_residency",
+]
+
+
+class MixedAttention(NamedTuple):
+    """Result of :func:`mixed_residency_attention`.
+
+    Attributes:
+      out: ``[B, T, N, H]`` attention output in ``q.dtype``.
+      lse: ``[B, T, N]`` float32 log-sum-exp over every key attended.
+      mass_kept: ``[B, T, N]`` float32 fraction of the attention mass on device-resident
+        pages (exact, from the lse), or None when no cold part was given.
+      page_mass: ``[B, N, M]`` float32 attention probability per page-table slot summed over
+        the queries, of the attention actually computed (device part alone, or device and cold
+        merged), when ``return_page_mass``; else None. Feed it to
+        :func:`offload.update_policy_state` (H2O, TOVA).
+    """
+
+    out: Float[Array, "B T N H"]
+    lse: Float[Array, "B T N"]
+    mass_kept: Float[Array, "B T N"] | None
+    page_mass: Float[Array, "B N M"] | None = None
+
+
+def _check_table(fn: str, name: str, table, shape=None):
+    if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.integer):
+        raise ValueError(
+            f"{fn}: {name} must be an int [B, M] page table, got {table.dtype} {table.shape}"
+        )
+    if shape is not None and table.shape != shape:
+        raise ValueError(f"{fn}: {name} must have shape {shape}, got {table.shape}")
+
+
+def split_residency(
+    page_table: Int[Array, "B M"], keep: Bool[Array, "B M"], demote: Bool[Array, "B M"]
+) -> tuple[Int[Array, "B M"], Int[Array, "B M"]]:
+    """Splits a page table by a selection into a device table and a cold table.
+
+    Args:
+      page_table: ``[B, M]`` int page ids (0 = null page).
+      keep: ``[B, M]`` bool, slots that stay on the device (``Selection.keep``).
+      demote: ``[B, M]`` bool, slots demoted to the cold tier (``Selection.demote``);
+        disjoint from ``keep``. Slots in neither (dropped) are 0 in both tables.
+
+    Returns:
+      ``(device_table, cold_table)``, both ``[B, M]`` in ``page_table``'s dtype, with 0 where
+      the slot is absent from that tier.
+
+    Raises:
+      ValueError: on shapes or dtypes that disagree.
+
+    Example:
+      >>> pt = jnp.array([[3, 5, 7]])
+      >>> d, c = split_residency(pt, jnp.array([[True, False, False]]),
+      ...                        jnp.array([[False, True, False]]))
+      >>> d.tolist(), c.tolist()
+      ([[3, 0, 0]], [[0, 5, 0]])
+    """
+    fn = "split_residency"
+    _check_table(fn, "page_table", page_table)
+    for name, m in (("keep", keep), ("demote", demote)):
+        if m.shape != page_table.shape or m.dtype != jnp.bool_:
+            raise ValueError(
+                f"{fn}: {name} must be bool {page_table.shape}, got {m.dtype} {m.shape}"
+            )
+    zero = jnp.zeros_like(page_table)
+    device = jnp.where(keep, page_table, zero)
+    cold = jnp.where(demote & ~keep, page_table, zero)
+    return device, cold
+
+
+def mass_kept_from_lse(
+    lse_kept: Float[Array, "*R"], lse_full: Float[Array, "*R"]
+) -> Float[Array, "*R"]:
+    """Fraction of the attention mass in the kept keys: ``exp(lse_kept - lse_full)``.
+
+    Args:
+      lse_kept: log-sum-exp over the kept keys (``-inf`` when none).
+      lse_full: log-sum-exp over all keys (``>= lse_kept``), same shape.
+
+    Returns:
+      float32 in ``[0, 1]``; 1 where the row has no key at all (nothing was lost).
+
+    Raises:
+      ValueError: if the shapes differ.
+
+    Example:
+      >>> float(mass_kept_from_lse(jnp.log(jnp.array(0.25)), jnp.array(0.0)))
+      0.25
+    """
+    if lse_kept.shape != lse_full.shape:
+        raise ValueError(
+            f"mass_kept_from_lse: lse_kept shape {lse_kept.shape} != lse_full {lse_full.shape}"
+        )
+    lse_kept = lse_kept.astype(jnp.float32)
+    lse_full = lse_full.astype(jnp.float32)
+    empty = jnp.isneginf(lse_full)
+    frac = jnp.exp(lse_kept - jnp.where(empty, 0.0, lse_full))
+    return jnp.where(empty, 1.0, jnp.clip(frac, 0.0, 1.0))
+
+
+def mass_kept_from_page_mass(
+    page_mass: Float[Array, "B N M"], keep: Bool[Array, "B M"]
+) -> Float[Array, "B N"]:
+    """Fraction of an observed attention mass that falls on kept slots.
+
+    Args:
+      page_mass: ``[B, N, M]`` attention mass per query head and page-table slot (the
+        ``page_mass`` of a paged attention over all pages, e.g. the previous step's).
+      keep: ``[B, M]`` bool kept slots.
+
+    Returns:
+      ``[B, N]`` float32 in ``[0, 1]``; 1 where the observed mass is 0.
+
+    Raises:
+      ValueError: if ``page_mass`` is not ``[B, N, M]`` with ``keep``'s ``B`` and ``M``.
+
+    Example:
+      >>> pm = jnp.array([[[0.5, 0.25, 0.25]]])
+      >>> mass_kept_from_page_mass(pm, jnp.array([[True, False, True]])).tolist()
+      [[0.75]]
+    """
+    if page_mass.ndim != 3 or keep.ndim != 2 or page_mass.shape[::2] != keep.shape:
+        raise ValueError(
+            "mass_kept_from_page_mass: page_mass must be [B, N, M] and keep [B, M], "
+            f"got {page_mass.shape} and {keep.shape}"
+        )
+    page_mass = page_mass.astype(jnp.float32)
+    total = jnp.sum(page_mass, axis=-1)
+    kept = jnp.sum(jnp.where(keep[:, None, :], page_mass, 0.0), axis=-1)
+    return jnp.where(total > 0, kept / jnp.where(total > 0, total, 1.0), 1.0)
+
+
+def mixed_residency_attention(
+    q: Float[Array, "B T N H"],
+    k_pages: Float[Array, "K P C H"],
+    v_pages: Float[Array, "K P C H"],
+    device_table: Int[Array, "B M"],
+    lengths: Int[Array, " B"],
+    *,
+    cold_table: Int[Array, "B M"] | None = None,
+    cold_k_pages: Float[Array, "K P C H"] | None = None,
+    cold_v_pages: Float[Array, "K P C H"] | None = None,
+    q_positions: Int[Array, "B T"] | None = None,
+    causal: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_page_mass: bool = False,
+) -> MixedAttention:
+    """Attention over device-resident pages, merged with cold pages fetched for this step.
+
+    Token ``i`` of sequence ``b`` lives in slot ``i // C`` at offset ``i % C``, in
+    ``k_pages[:, device_table[b, i // C]]`` when that entry is non-zero, else in
+    ``cold_k_pages[:, cold_table[b, i // C]]`` when given and non-zero; otherwise it is absent
+    and ignored (``paged.paged_attention`` masks the null page and ids outside ``[1, P)``).
+
+    Args:
+      q: ``[B, T, N, H]`` queries (``T = 1`` for decode).
+      k_pages: ``[K, P, C, H]`` device key pool of one layer (heads-major; page 0 = null).
+      v_pages: ``[K, P, C, H]`` device value pool.
+      device_table: ``[B, M]`` int, device page per slot, 0 = not on the device.
+      lengths: ``[B]`` int tokens per sequence (positions ``>= lengths`` are ignored).
+      cold_table: optional ``[B, M]`` int, cold page per slot, 0 = absent; disjoint from
+        ``device_table`` (a slot set in both would be counted twice).
+      cold_k_pages: ``[K, P, C, H]`` cold key pool fetched for this step; defaults to
+        ``k_pages`` (both tiers simulated in one pool).
+      cold_v_pages: ``[K, P, C, H]`` cold value pool; given together with ``cold_k_pages``.
+      q_positions: ``[B, T]`` int, default ``lengths - T + arange(T)`` (the last tokens).
+      causal: a query at position ``p`` sees keys at positions ``<= p``.
+      window: sliding window (hide keys at positions ``<= p - window``).
+      softcap: logits become ``softcap * tanh(logits / softcap)``.
+      scale: logit scale, default ``1 / sqrt(H)``.
+      return_page_mass: also return the ``[B, N, M]`` page mass (a slot's mass comes from
+        whichever tier holds it).
+
+    Returns:
+      :class:`MixedAttention` ``(out, lse, mass_kept, page_mass)``; ``mass_kept`` is None
+      without a ``cold_table``, ``page_mass`` None unless asked. Rows that see no key:
+      ``out = 0``, ``lse = -inf``, ``mass_kept = 1``. Forward only: ``paged.paged_attention``
+      has no reverse-mode derivative (decode needs none).
+
+    Raises:
+      ValueError: on inconsistent shapes or dtypes (pools in ``q``'s dtype), cold pools without
+        a ``cold_table``, or only one of ``cold_k_pages``/``cold_v_pages``.
+      NotImplementedError: ``return_page_mass`` with a cold part and ``T > 1``.
+
+    Example:
+      >>> import jax
+      >>> kp = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
+      >>> q = jax.random.normal(jax.random.key(1), (1, 1, 2, 8))
+      >>> res = mixed_residency_attention(q, kp, kp, jnp.array([[1, 0]]), jnp.array([4]),
+      ...                                 cold_table=jnp.array([[0, 3]]))
+      >>> res.out.shape, bool((res.mass_kept > 0).all() & (res.mass_kept < 1).all())
+      ((1, 1, 2, 8), True)
+    """
+    fn = "mixed_residency_attention"
+    if q.ndim != 4:
+        raise ValueError(f"{fn}: q must be [B, T, N, H], got shape {q.shape}")
+    B, T, N, H = q.shape
+    if k_pages.ndim != 4 or k_pages.shape[3] != H:
+        raise ValueError(f"{fn}: k_pages must be [K, P, C, H={H}], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"{fn}: v_pages must have k_pages' shape {k_pages.shape}, got {v_pages.shape}"
+        )
+    K = k_pages.shape[0]
+    if N % K:
+        raise ValueError(f"{fn}: q heads N={N} must be a multiple of kv heads K={K}")
+    _check_table(fn, "device_table", device_table)
+    if device_table.shape[0] != B:
+        raise ValueError(f"{fn}: device_table must have B={B} rows, got {device_table.shape}")
+    if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{fn}: lengths must be int [B={B}], got {lengths.dtype} {lengths.shape}")
+    if (cold_k_pages is None) != (cold_v_pages is None):
+        raise ValueError(f"{fn}: cold_k_pages and cold_v_pages must be given together")
+    if cold_table is None and cold_k_pages is not None:
+        raise ValueError(f"{fn}: cold_k_pages/cold_v_pages given without a cold_table")
+    if cold_table is not None:
+        _check_table(fn, "cold_table", cold_table, device_table.shape)
+        if cold_k_pages is None:
+            cold_k_pages, cold_v_pages = k_pages, v_pages
+        for name, pool in (
+            ("cold_k_pages", cold_k_pages),
+            ("cold_v_pages", cold_v_pages),
+        ):
+            if pool.shape != k_pages.shape:
+                raise ValueError(f"{fn}: {name} must have shape {k_pages.shape}, got {pool.shape}")
+    lengths = lengths.astype(jnp.int32)
+    if q_positions is None:
+        q_positions = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+    elif q_positions.shape != (B, T):
+        raise ValueError(f"{fn}: q_positions must be [B={B}, T={T}], got {q_positions.shape}")
+    if return_page_mass and cold_table is not None and T != 1:
+        raise NotImplementedError(
+            f"{fn}: return_page_mass with a cold part needs T == 1 (each query's mass is "
+            f"rescaled by its own lse before the sum over queries), got T={T}"
+        )
+
+    def part(kp, vp, table):
+        res = paged_attention(
+            q,
+            kp,
+            vp,
+            table,
+            lengths,
+            q_positions=q_positions,
+            causal=causal,
+            window=window,
+            softcap=softcap,
+            scale=scale,
+            return_lse=True,
+            return_page_mass=return_page_mass,
+        )
+        return res if return_page_mass else (*res, None)
+
+    out, lse, mass = part(k_pages, v_pages, device_table)
+    if cold_table is None:
+        return MixedAttention(out=out, lse=lse, mass_kept=None, page_mass=mass)
+    out_c, lse_c, mass_c = part(cold_k_pages, cold_v_pages, cold_table)
+    out_all, lse_all = merge_attention(out, lse, out_c, lse_c)
+    kept = mass_kept_from_lse(lse, lse_all)  # [B, T, N]
+    if return_page_mass:
+        # T == 1: each part's probabilities are relative to its own lse; rescale to the full.
+        mass = (
+            mass * kept[:, 0, :, None] + mass_c * mass_kept_from_lse(lse_c, lse_all)[:, 0, :, None]
+        )
+    return MixedAttention(out=out_all, lse=lse_all, mass_kept=kept, page_mass=mass)

@@ -1,0 +1,370 @@
+"""Retention policies: selections against the numpy oracle, invariants, jit, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload import (
+    RetentionPolicy,
+    budget_units,
+    init_policy_state,
+    select_keep,
+    select_keep_reference,
+    token_attention_mass,
+    update_policy_state,
+    update_policy_state_reference,
+)
+from ringattn import attention_reference
+from tests._util import assert_close
+
+select_jit = jax.jit(select_keep, static_argnames=("policy", "mode"))
+update_jit = jax.jit(update_policy_state, static_argnames=("policy",))
+
+
+def _sel_np(sel):
+    return tuple(np.asarray(x) for x in sel)
+
+
+def _assert_selection_equal(sel, ref):
+    for name, a, b in zip(("keep", "demote", "drop"), _sel_np(sel), ref, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def _state(scores):
+    from offload import PolicyState
+
+    return PolicyState(scores=jnp.asarray(scores, jnp.float32))
+
+
+def _kept(sel, b=0):
+    return np.flatnonzero(np.asarray(sel.keep[b])).tolist()
+
+
+# --------------------------------------------------------------------------- crafted patterns
+
+
+def test_recency_keeps_latest_units():
+    pol = RetentionPolicy("recency", 3, granularity="token")
+    sel = select_keep(_state(np.zeros((2, 10))), jnp.array([7, 2]), policy=pol)
+    assert _kept(sel, 0) == [4, 5, 6]
+    assert _kept(sel, 1) == [0, 1]  # budget capped by the live units
+    assert np.asarray(sel.demote[0]).nonzero()[0].tolist() == [0, 1, 2, 3]
+
+
+def test_streaming_keeps_sinks_and_window_over_pages():
+    pol = RetentionPolicy("streaming", 4, page_size=4, sink=1)
+    # 30 tokens in pages of 4 -> 8 live slots.
+    sel = select_keep(_state(np.zeros((1, 10))), jnp.array([30]), policy=pol)
+    assert _kept(sel) == [0, 5, 6, 7]
+
+
+def test_h2o_keeps_heavy_hitters_sinks_and_recent():
+    pol = RetentionPolicy("h2o", 5, granularity="token", sink=1, recent=2)
+    mass = np.full((1, 2, 12), 0.01, np.float32)
+    mass[0, 0, 4] = 3.0  # heavy hitter seen by head 0
+    mass[0, 1, 7] = 2.0  # heavy hitter seen by head 1
+    mass[0, :, 9] = 0.5  # lighter than both
+    state = init_policy_state(1, 12, policy=pol)
+    state = update_policy_state(state, jnp.asarray(mass), policy=pol)
+    state = update_policy_state(state, jnp.asarray(mass), policy=pol)  # accumulates
+    np.testing.assert_allclose(np.asarray(state.scores[0, 4]), 2 * 3.01, rtol=1e-6)
+    sel = select_keep(state, jnp.array([11]), policy=pol)
+    # sink 0, recent 9 and 10 (the last two of 11 live), heavy 4 and 7.
+    assert _kept(sel) == [0, 4, 7, 9, 10]
+
+
+def test_tova_replaces_scores_with_last_query():
+    pol = RetentionPolicy("tova", 2, granularity="token")
+    state = init_policy_state(1, 6, policy=pol)
+    first = np.zeros((1, 1, 6), np.float32)
+    first[0, 0, [1, 2]] = 0.5
+    second = np.zeros((1, 1, 6), np.float32)
+    second[0, 0, [3, 5]] = 0.5
+    state = update_policy_state(state, jnp.asarray(first), policy=pol)
+    state = update_policy_state(state, jnp.asarray(second), policy=pol)
+    assert _kept(select_keep(state, jnp.array([6]), policy=pol)) == [3, 5]
+
+
+def test_snapkv_pooling_keeps_neighbourhoods():
+    pol = RetentionPolicy("snapkv", 4, granularity="token", recent=1, pool_size=3)
+    mass = np.zeros((1, 2, 12), np.float32)
+    mass[0, 0, 3] = 1.0  # max-pooled onto 2, 3, 4
+    mass[0, 1, 8] = 0.2
+    state = update_policy_state(init_policy_state(1, 12, policy=pol), jnp.asarray(mass), policy=pol)
+    # recent: 11; then 2, 3, 4 (score 1.0; ties to the later unit, all three fit).
+    assert _kept(select_keep(state, jnp.array([12]), policy=pol)) == [2, 3, 4, 11]
+    per_head = RetentionPolicy("snapkv", 2, granularity="token", head_reduce="max")
+    mass2 = np.zeros((1, 2, 6), np.float32)
+    mass2[0, 0] = [0.0, 0.9, 0.0, 0.0, 0.0, 0.6]
+    mass2[0, 1] = [0.0, 0.0, 0.7, 0.0, 0.0, 0.6]
+    state = update_policy_state(
+        init_policy_state(1, 6, policy=per_head), jnp.asarray(mass2), policy=per_head
+    )
+    # max over heads: 1 (0.9) and 2 (0.7) beat 5 (0.6, though its head sum is 1.2).
+    assert _kept(select_keep(state, jnp.array([6]), policy=per_head)) == [1, 2]
+
+
+def test_null_pages_and_pinned():
+    pol = RetentionPolicy("recency", 2, page_size=2)
+    table = jnp.array([[5, 3, 0, 9, 0], [1, 2, 3, 4, 6]], jnp.int32)
+    lengths = jnp.array([10, 7])
+    sel = select_keep(
+        _state(np.zeros((2, 5))),
+        lengths,
+        policy=pol,
+        page_table=table,
+        pinned=jnp.array([0, 1]) > 0,
+    )
+    assert _kept(sel, 0) == [1, 3]  # slots 2 and 4 hold the null page
+    assert _kept(sel, 1) == [0, 1, 2, 3]  # pinned: all 4 live slots (7 tokens)
+    assert not np.asarray(sel.demote[1]).any()
+
+
+def test_fraction_budget_is_exact_integer_ceil():
+    pol = RetentionPolicy("recency", 0.1, granularity="token")
+    assert budget_units(pol, 30) == 3  # 0.1 * 30 is 3.0000000000000004 in float64
+    assert int(budget_units(pol, jnp.int32(31))) == 4
+    assert budget_units(RetentionPolicy("recency", 1.0, granularity="token"), 7) == 7
+    assert budget_units(RetentionPolicy("recency", 0, granularity="token"), 7) == 0
+
+
+def test_drop_mode_reports_drop_not_demote():
+    pol = RetentionPolicy("recency", 1, granularity="token")
+    sel = select_keep(_state(np.zeros((1, 4))), jnp.array([3]), policy=pol, mode="drop")
+    assert not np.asarray(sel.demote).any()
+    assert np.asarray(sel.drop[0]).nonzero()[0].tolist() == [0, 1]
+
+
+# --------------------------------------------------------------------------- random vs numpy
+
+POLICIES = [
+    RetentionPolicy("recency", 0.3, page_size=4),
+    RetentionPolicy("streaming", 5, granularity="token", sink=2),
+    RetentionPolicy("h2o", 0.5, page_size=4, sink=1, recent=2),
+    RetentionPolicy("snapkv", 4, granularity="token", recent=2, pool_size=3, pool="avg"),
+    RetentionPolicy("snapkv", 0.25, page_size=2, pool_size=5, head_reduce="max"),
+    RetentionPolicy("tova", 3, granularity="token"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(POLICIES)), ids=lambda i: str(POLICIES[i].kind))
+@pytest.mark.parametrize("jit", [False, True])
+def test_random_matches_reference(index, jit):
+    policy = POLICIES[index]
+    mode = ("demote", "drop")[(index + jit) % 2]  # each policy sees both modes over jit/eager
+    rng = np.random.default_rng(0)
+    B, N, U = 4, 2, 12
+    C = policy.page_size or 1
+    lengths = jnp.array([0, 1, C + 1, U * C], jnp.int32)
+    table = None
+    if policy.granularity == "page":
+        table = jnp.asarray(rng.permutation(np.arange(1, B * U + 1)).reshape(B, U), jnp.int32)
+        table = table.at[3, 4].set(0)  # a hole
+    pinned = jnp.array([False, False, True, False])
+    update = update_jit if jit else update_policy_state
+    select = select_jit if jit else select_keep
+    state = init_policy_state(B, U, policy=policy)
+    ref_scores = np.zeros((B, U), np.float32)
+    for _ in range(2):
+        mass = rng.random((B, N, U)).astype(np.float32)
+        # Quantised mass gives exact ties, so the tie-break is exercised too.
+        mass = np.round(mass * 4) / 4
+        state = update(state, jnp.asarray(mass), policy=policy)
+        ref_scores = update_policy_state_reference(ref_scores, mass, policy=policy)
+    assert_close(state.scores, ref_scores, dtype=jnp.float32, what="scores")
+    sel = select(state, lengths, policy=policy, page_table=table, pinned=pinned, mode=mode)
+    ref = select_keep_reference(
+        state.scores, lengths, policy=policy, page_table=table, pinned=pinned, mode=mode
+    )
+    _assert_selection_equal(sel, ref)
+    eager = select_keep(state, lengths, policy=policy, page_table=table, pinned=pinned, mode=mode)
+    _assert_selection_equal(eager, _sel_np(sel))
+
+
+def test_vmap_over_layers_matches_per_layer():
+    pol = RetentionPolicy("h2o", 3, granularity="token", sink=1, recent=1)
+    rng = np.random.default_rng(1)
+    L, B, N, U = 3, 2, 2, 8
+    mass = jnp.asarray(rng.random((L, B, N, U)), jnp.float32)
+    lengths = jnp.array([8, 5])
+    states = jax.vmap(lambda _: init_policy_state(B, U, policy=pol))(jnp.arange(L))
+    states = jax.vmap(functools.partial(update_policy_state, policy=pol))(states, mass)
+    sels = jax.vmap(lambda s: select_keep(s, lengths, policy=pol))(states)
+    for layer in range(L):
+        one = update_policy_state(init_policy_state(B, U, policy=pol), mass[layer], policy=pol)
+        ref = select_keep_reference(one.scores, lengths, policy=pol)
+        _assert_selection_equal(jax.tree.map(lambda x, i=layer: x[i], sels), ref)
+
+
+# --------------------------------------------------------------------------- invariants
+
+B_H, U_H = 3, 8
+
+
+@st.composite
+def _cases(draw):
+    kind = draw(st.sampled_from(["recency", "streaming", "h2o", "snapkv", "tova"]))
+    granularity = draw(st.sampled_from(["page", "token"]))
+    if draw(st.booleans()):
+        budget = draw(st.integers(0, U_H + 2))
+    else:
+        budget = draw(st.sampled_from([0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0]))
+    sink = draw(st.integers(0, 3)) if kind != "recency" else 0
+    recent = draw(st.integers(0, 3)) if kind in ("h2o", "snapkv", "tova") else 0
+    page_size = draw(st.integers(1, 3)) if granularity == "page" else None
+    policy = RetentionPolicy(
+        kind, budget, granularity=granularity, page_size=page_size, sink=sink, recent=recent
+    )
+    C = page_size or 1
+    lengths = draw(st.lists(st.integers(0, U_H * C), min_size=B_H, max_size=B_H))
+    scores = draw(
+        st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.5]), min_size=B_H * U_H, max_size=B_H * U_H)
+    )
+    pinned = draw(st.lists(st.booleans(), min_size=B_H, max_size=B_H))
+    table = None
+    if granularity == "page":
+        holes = draw(st.lists(st.booleans(), min_size=B_H * U_H, max_size=B_H * U_H))
+        table = np.where(np.array(holes), 0, np.arange(1, B_H * U_H + 1)).reshape(B_H, U_H)
+    mode = draw(st.sampled_from(["demote", "drop"]))
+    return policy, np.array(lengths), np.array(scores).reshape(B_H, U_H), pinned, table, mode
+
+
+@settings(max_examples=30, deadline=None)
+@given(_cases())
+def test_selection_invariants(case):
+    policy, lengths, scores, pinned, table, mode = case
+    pinned = np.array(pinned)
+    # Eager: every example has its own (static) policy, so jit would recompile each time.
+    sel = select_keep(
+        _state(scores),
+        jnp.asarray(lengths, jnp.int32),
+        policy=policy,
+        page_table=None if table is None else jnp.asarray(table, jnp.int32),
+        pinned=jnp.asarray(pinned),
+        mode=mode,
+    )
+    keep, demote, drop = _sel_np(sel)
+    C = policy.page_size or 1
+    idx = np.arange(U_H)[None]
+    live = idx < -(-lengths[:, None] // C)
+    if table is not None:
+        live &= table != 0
+    evicted = demote | drop
+    np.testing.assert_array_equal(keep | evicted, live)  # keep ∪ demote = live
+    assert not (keep & evicted).any() and not (demote & drop).any()  # disjoint
+    assert not (drop if mode == "demote" else demote).any()
+    n_live = live.sum(-1)
+    expected = np.where(pinned, n_live, budget_units(policy, n_live))
+    np.testing.assert_array_equal(keep.sum(-1), expected)  # budget respected exactly
+    assert not evicted[pinned].any()  # pinned never demoted
+    ref = select_keep_reference(
+        scores, lengths, policy=policy, page_table=table, pinned=pinned, mode=mode
+    )
+    _assert_selection_equal(sel, ref)
+
+
+# --------------------------------------------------------------------------- token mass
+
+
+def test_token_attention_mass_matches_reference_probabilities():
+    rng = np.random.default_rng(2)
+    B, T, N, K, S = 2, 3, 4, 2, 10
+    H = S  # values are one-hot rows of the identity, so v and k share the head dim
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
+    lengths = jnp.array([10, 6])
+    mass = token_attention_mass(q, k, lengths)
+    # Attention probabilities are the output for identity values: v = one-hot of the key.
+    eye = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32)[None, :, None, :], (B, S, K, S))
+    q_pos = lengths[:, None] - T + jnp.arange(T)[None]
+    seg_kv = (jnp.arange(S)[None] < lengths[:, None]).astype(jnp.int32)
+    probs = jax.jit(attention_reference, static_argnames=("causal",))(
+        q,
+        k,
+        eye,
+        causal=True,
+        q_positions=q_pos,
+        q_segment_ids=jnp.ones((B, T), jnp.int32),
+        kv_segment_ids=seg_kv,
+    )  # [B, T, N, S]
+    assert_close(mass, probs.sum(1), dtype=jnp.float32, what="token mass")
+    assert_close(mass.sum(-1), jnp.full((B, N), T), dtype=jnp.float32, what="row sums")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(kind="lru", budget=1), "kind must be one of"),
+        (dict(kind="recency", budget=-1, page_size=1), "budget count must be >= 0"),
+        (dict(kind="recency", budget=1.5, page_size=1), r"budget fraction must be in \(0, 1\]"),
+        (dict(kind="recency", budget=0.0, page_size=1), r"budget fraction must be in \(0, 1\]"),
+        (dict(kind="recency", budget=True, page_size=1), "budget must be an int count"),
+        (dict(kind="recency", budget=1, granularity="head"), "granularity must be"),
+        (dict(kind="recency", budget=1), "page_size must be an int >= 1"),
+        (
+            dict(kind="recency", budget=1, granularity="token", page_size=2),
+            "page_size must be None",
+        ),
+        (dict(kind="h2o", budget=1, page_size=1, sink=-1), "sink must be an int >= 0"),
+        (dict(kind="h2o", budget=1, page_size=1, recent=1.5), "recent must be an int >= 0"),
+        (dict(kind="recency", budget=1, page_size=1, sink=1), "sink must be 0 for kind='recency'"),
+        (dict(kind="streaming", budget=1, page_size=1, recent=1), "recent must be 0"),
+        (dict(kind="snapkv", budget=1, page_size=1, pool_size=2), "pool_size must be an odd"),
+        (dict(kind="streaming", budget=1, page_size=1, pool_size=3), "pool_size > 1 needs"),
+        (dict(kind="snapkv", budget=1, page_size=1, pool="min"), "pool must be"),
+        (dict(kind="tova", budget=1, page_size=1, head_reduce="mean"), "head_reduce must be"),
+    ],
+)
+def test_policy_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RetentionPolicy(**kwargs)
+
+
+def test_function_errors():
+    pol = RetentionPolicy("h2o", 2, page_size=2)
+    tok = RetentionPolicy("h2o", 2, granularity="token")
+    state = init_policy_state(2, 4, policy=pol)
+    lengths = jnp.array([3, 4])
+    with pytest.raises(ValueError, match="policy must be a RetentionPolicy"):
+        init_policy_state(2, 4, policy="h2o")
+    with pytest.raises(ValueError, match="policy must be a RetentionPolicy"):
+        update_policy_state(state, jnp.zeros((2, 1, 4)), policy=None)
+    with pytest.raises(ValueError, match="policy must be a RetentionPolicy"):
+        select_keep(state, lengths, policy=None)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        init_policy_state(0, 4, policy=pol)
+    with pytest.raises(ValueError, match="num_units must be an int >= 1"):
+        init_policy_state(2, 4.0, policy=pol)
+    with pytest.raises(ValueError, match=r"mass must have shape \[B=2, N, U=4\]"):
+        update_policy_state(state, jnp.zeros((2, 5)), policy=pol)
+    with pytest.raises(ValueError, match="mode must be 'demote' or 'drop'"):
+        select_keep(state, lengths, policy=pol, mode="evict")
+    with pytest.raises(ValueError, match=r"lengths must have shape \[B=2\]"):
+        select_keep(state, jnp.array([3]), policy=pol)
+    with pytest.raises(ValueError, match="lengths must be integer"):
+        select_keep(state, jnp.array([3.0, 4.0]), policy=pol)
+    with pytest.raises(ValueError, match="page_table must be int"):
+        select_keep(state, lengths, policy=pol, page_table=jnp.ones((2, 5), jnp.int32))
+    with pytest.raises(ValueError, match="page_table needs granularity='page'"):
+        select_keep(state, lengths, policy=tok, page_table=jnp.ones((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match="pinned must be bool"):
+        select_keep(state, lengths, policy=pol, pinned=jnp.array([1, 0]))
+    q = jnp.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match="q must be"):
+        token_attention_mass(q, jnp.zeros((1, 5, 1, 8)), jnp.array([5]))
+    with pytest.raises(ValueError, match="must be a multiple of k heads"):
+        token_attention_mass(q, jnp.zeros((1, 5, 2, 4)), jnp.array([5]))
+    with pytest.raises(ValueError, match="lengths must have shape"):
+        token_attention_mass(q, jnp.zeros((1, 5, 1, 4)), jnp.array([5, 5]))
+    with pytest.raises(ValueError, match="q_positions must be"):
+        token_attention_mass(
+            q, jnp.zeros((1, 5, 1, 4)), jnp.array([5]), q_positions=jnp.zeros((1, 3), jnp.int32)
+        )
