@@ -1,3 +1,72 @@
-"""KV storage and attention over pages (see README)."""
+"""KV storage and attention over pages (see README).
 
-__all__: list[str] = []
+Shape legend (shared with ``ringattn``):
+
+====  ==========================================
+B     batch
+T     query length
+N     query heads
+K     key/value heads
+H     head dim
+P     pages in a pool (page 0 is the reserved null page)
+C     tokens per page (a power of two)
+M     pages per sequence (page-table width)
+L     layers
+====  ==========================================
+
+Host side: ``PageAllocator`` (free list, reference counts, prefix caching, copy-on-write
+forks, metrics) produces the ``page_table [B, M] int32`` and ``lengths [B] int32`` that the
+device side consumes.
+"""
+
+from paged._allocator import NULL_PAGE, Admission, AllocatorStats, OutOfPages, PageAllocator
+from paged._attention import DEFAULT_PAGES_PER_BLOCK, paged_attention, ragged_paged_attention
+from paged._cache import (
+    PagedKVCache,
+    advance,
+    append,
+    copy_pages,
+    gather_kv,
+    init_paged_cache,
+    validate,
+    validate_page_table,
+    write,
+    write_layer,
+)
+from paged._device_alloc import (
+    FreePageStack,
+    ensure_next_page,
+    make_free_stack,
+    pop_pages,
+    push_pages,
+    taken_pages,
+)
+from paged._sharded import sharded_paged_attention
+
+__all__ = [
+    "NULL_PAGE",
+    "Admission",
+    "AllocatorStats",
+    "OutOfPages",
+    "PageAllocator",
+    "DEFAULT_PAGES_PER_BLOCK",
+    "FreePageStack",
+    "PagedKVCache",
+    "advance",
+    "append",
+    "copy_pages",
+    "ensure_next_page",
+    "gather_kv",
+    "init_paged_cache",
+    "make_free_stack",
+    "paged_attention",
+    "pop_pages",
+    "push_pages",
+    "ragged_paged_attention",
+    "sharded_paged_attention",
+    "taken_pages",
+    "validate",
+    "validate_page_table",
+    "write",
+    "write_layer",
+]

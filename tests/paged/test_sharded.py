@@ -1,0 +1,113 @@
+"""Sequence-sharded paged decode equals single-device paged attention."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import ringattn
+from paged import paged_attention, sharded_paged_attention
+from paged._sharded import _local_partial
+from ringattn import merge_attention
+from tests._util import assert_close, make_test_mesh
+
+K, C, H, N = 2, 4, 8, 4
+
+
+def sharded_inputs(rng, D, *, pages_per_device=5, slots_per_device=3, lengths=(45, 13, 0)):
+    """Per-device pools with permuted local ids, plus the same data as one global pool."""
+    B = len(lengths)
+    Pd, Md = pages_per_device, slots_per_device
+    k = rng.standard_normal((K, D * Pd, C, H)).astype(np.float32)
+    v = rng.standard_normal((K, D * Pd, C, H)).astype(np.float32)
+    k[:, ::Pd] = np.nan  # every device's local null page
+    v[:, ::Pd] = np.nan
+    lengths = np.asarray(lengths, np.int32)
+    local = np.zeros((B, D * Md), np.int32)
+    for d in range(D):
+        for b in range(B):
+            local[b, d * Md : (d + 1) * Md] = rng.permutation(np.arange(1, Pd))[:Md]
+    used = np.arange(D * Md)[None] * C < lengths[:, None]
+    local = np.where(used, local, 0)
+    global_table = np.where(used, local + (np.arange(D * Md) // Md)[None] * Pd, 0)
+    q = rng.standard_normal((B, 1, N, H)).astype(np.float32)
+    return [jnp.asarray(x) for x in (q, k, v, local, lengths, global_table)]
+
+
+@pytest.mark.parametrize("D, window", [(4, 20)])
+def test_local_partials_merge_to_single_device_result(D, window):
+    rng = np.random.default_rng(D)
+    q, k, v, local, lengths, global_table = sharded_inputs(rng, D)
+    mesh = make_test_mesh((D,), ("seq",))
+    pool = P(None, "seq")
+
+    @functools.partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P(), pool, pool, pool, P(), P()),
+        out_specs=(P("seq"), P("seq")),
+        check_vma=True,
+    )
+    def partials(q, k, v, table, lengths, q_positions):
+        out, lse = _local_partial(
+            q, k, v, table, lengths, q_positions, axis_name="seq", kwargs=dict(window=window)
+        )
+        return out[None], lse[None]
+
+    outs, lses = jax.jit(partials)(q, k, v, local, lengths, lengths[:, None] - 1)
+    out, lse = outs[0], lses[0]
+    for d in range(1, D):
+        out, lse = merge_attention(out, lse, outs[d], lses[d])
+    expected = paged_attention(q, k, v, global_table, lengths, window=window)
+    assert_close(out, expected, dtype=jnp.float32, what=f"D={D}")
+
+
+needs_allreduce = pytest.mark.skipif(
+    not hasattr(ringattn, "allreduce_attention"),
+    reason="ringattn.allreduce_attention (helper B) is not exported yet",
+)
+
+
+@needs_allreduce
+@pytest.mark.parametrize(
+    "D, axis_type, window",
+    [(2, AxisType.Auto, None), (4, AxisType.Explicit, 9), (8, AxisType.Auto, None)],
+)
+def test_sharded_paged_attention_matches_single_device(D, axis_type, window):
+    rng = np.random.default_rng(10 + D)
+    q, k, v, local, lengths, global_table = sharded_inputs(
+        rng, D, slots_per_device=12 // D, pages_per_device=12 // D + 2, lengths=(45, 13, 0)
+    )
+    mesh = make_test_mesh((D,), ("seq",), axis_type=axis_type)
+    out, lse = jax.jit(
+        functools.partial(
+            sharded_paged_attention, mesh=mesh, axis_name="seq", window=window, return_lse=True
+        )
+    )(q, k, v, local, lengths)
+    expected, expected_lse = paged_attention(
+        q, k, v, global_table, lengths, window=window, return_lse=True
+    )
+    assert_close(out, expected, dtype=jnp.float32, what=f"D={D} {axis_type}")
+    seen = np.isfinite(np.asarray(expected_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
+    assert_close(np.where(seen, lse, 0), np.where(seen, expected_lse, 0), dtype=jnp.float32)
+
+
+def test_sharded_errors():
+    rng = np.random.default_rng(0)
+    q, k, v, local, lengths, _ = sharded_inputs(rng, 2)
+    mesh = make_test_mesh((2,), ("seq",))
+    with pytest.raises(ValueError, match="is not an axis of the mesh"):
+        sharded_paged_attention(q, k, v, local, lengths, mesh=mesh, axis_name="x")
+    with pytest.raises(ValueError, match="must both divide"):
+        sharded_paged_attention(q, k[:, :9], v[:, :9], local, lengths, mesh=mesh, axis_name="seq")
+    with pytest.raises(ValueError, match="mesh must be a jax"):
+        sharded_paged_attention(q, k, v, local, lengths, mesh=None, axis_name="seq")
+    with pytest.raises(ValueError, match="q_positions must"):
+        sharded_paged_attention(
+            q, k, v, local, lengths, mesh=mesh, axis_name="seq", q_positions=lengths
+        )
