@@ -1,0 +1,165 @@
+"""Blockwise attention on one CPU device against XLA's dot_product_attention and the reference.
+
+Measures, in one run (ratios are what matter on a shared, noisy machine):
+  * forward and forward+backward time of ``ringattn.blockwise_attention``,
+    ``jax.nn.dot_product_attention(implementation="xla")`` and ``ringattn.attention_reference``
+    (the last two only where their compiled temporaries fit in memory);
+  * compiled temporary memory from ``jax.jit(f).lower(...).compile().memory_analysis()``;
+  * this machine's float32 matmul FLOP/s, so each result is also an efficiency:
+    useful attention FLOPs per second / matmul FLOPs per second.
+
+Usage:
+  python benchmarks/bench_blockwise.py            # T = S in 2K..32K (about 15 minutes)
+  python benchmarks/bench_blockwise.py --quick    # 2K and 4K only
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax
+import jax.numpy as jnp
+
+from ringattn import BlockSizes, attention_reference, blockwise_attention
+
+GiB = 1 << 30
+FITS_BYTES = 6 * GiB  # run a path only if its compiled temporaries stay under this
+
+
+def best_time(fn, *args, repeats):
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_flops_per_s(repeats):
+    n = 4096
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(jnp.dot)
+    return 2 * n**3 / best_time(f, a, b, repeats=repeats)
+
+
+def temp_bytes(fn, *shapes):
+    return fn.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+
+def attention_flops(T, S, N, H, causal, backward):
+    pairs = T * (T + 1) / 2 if causal and T == S else T * S
+    fwd = 4 * N * H * pairs  # QK^T and PV
+    return fwd * (3.5 if backward else 1.0)  # backward: 5 matmuls (one recompute) vs 2
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--lengths", type=int, nargs="*")
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "blockwise.md")
+    )
+    args = parser.parse_args()
+    lengths = args.lengths or ([2048, 4096] if args.quick else [2048, 4096, 8192, 16384, 32768])
+    B, N, K, H = 1, 8, 8, 64
+    blocks = BlockSizes()
+    mm = matmul_flops_per_s(repeats=5)
+
+    paths = {
+        "blockwise": lambda causal: (
+            lambda q, k, v: blockwise_attention(q, k, v, causal=causal, block_sizes=blocks)
+        ),
+        "xla": lambda causal: (
+            lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation="xla"
+            )
+        ),
+        "reference": lambda causal: lambda q, k, v: attention_reference(q, k, v, causal=causal),
+    }
+    rows = []
+    for L in lengths:
+        shape = jax.ShapeDtypeStruct((B, L, N, H), jnp.float32)
+        q, k, v = (jax.random.normal(jax.random.key(i), (B, L, N, H)) for i in range(3))
+        repeats = 3 if L <= 8192 else 1
+        for causal in (False, True):
+            results = {}
+            for name, make in paths.items():
+                fwd = jax.jit(make(causal))
+                attend = make(causal)
+
+                def loss(q, k, v, attend=attend):
+                    return jnp.sum(attend(q, k, v) ** 2)
+
+                fwd_bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+                mem_f = temp_bytes(fwd, shape, shape, shape)
+                mem_b = temp_bytes(fwd_bwd, shape, shape, shape)
+                res = {"mem_fwd": mem_f, "mem_bwd": mem_b, "t_fwd": None, "t_bwd": None}
+                if mem_f < FITS_BYTES:
+                    res["t_fwd"] = best_time(fwd, q, k, v, repeats=repeats)
+                if mem_b < FITS_BYTES:
+                    res["t_bwd"] = best_time(fwd_bwd, q, k, v, repeats=repeats)
+                results[name] = res
+                print(f"L={L} causal={causal} {name}: {res}", flush=True)
+            rows.append((L, causal, results))
+
+    lines = [
+        f"Matmul (4096^3 float32, same run): {mm / 1e9:.1f} GFLOP/s. "
+        f"B={B}, N={N}, K={K}, H={H}, float32, one CPU device, "
+        f"blocks {blocks.block_q}x{blocks.block_kv}. Efficiency = useful attention FLOP/s / "
+        "matmul FLOP/s. '-' = not run: compiled temporaries over "
+        f"{FITS_BYTES // GiB} GiB.",
+        "",
+        "| T=S | mask | blockwise fwd | fwd vs xla | fwd eff. | blockwise fwd+bwd | "
+        "fwd+bwd vs xla | fwd+bwd eff. | reference fwd | temp MiB blockwise fwd / fwd+bwd | "
+        "temp MiB xla fwd / fwd+bwd |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def ms(t):
+        return "-" if t is None else f"{t * 1e3:.0f} ms"
+
+    def ratio(a, b):
+        return "-" if a is None or b is None else f"{a / b:.2f}x"
+
+    def eff(t, L, causal, backward):
+        return "-" if t is None else f"{attention_flops(L, L, N, H, causal, backward) / t / mm:.0%}"
+
+    for L, causal, r in rows:
+        bw, xla, ref = r["blockwise"], r["xla"], r["reference"]
+        lines.append(
+            f"| {L // 1024}K | {'causal' if causal else 'full'} | {ms(bw['t_fwd'])} | "
+            f"{ratio(bw['t_fwd'], xla['t_fwd'])} | {eff(bw['t_fwd'], L, causal, False)} | "
+            f"{ms(bw['t_bwd'])} | {ratio(bw['t_bwd'], xla['t_bwd'])} | "
+            f"{eff(bw['t_bwd'], L, causal, True)} | {ms(ref['t_fwd'])} | "
+            f"{bw['mem_fwd'] / 2**20:.0f} / {bw['mem_bwd'] / 2**20:.0f} | "
+            f"{xla['mem_fwd'] / 2**20:.0f} / {xla['mem_bwd'] / 2**20:.0f} |"
+        )
+    # Causal vs full, same run.
+    lines += [
+        "",
+        "| T=S | causal / full, blockwise fwd | causal / full, blockwise fwd+bwd |",
+        "|---|---|---|",
+    ]
+    by_len = {}
+    for L, causal, r in rows:
+        by_len.setdefault(L, {})[causal] = r["blockwise"]
+    for L, d in by_len.items():
+        lines.append(
+            f"| {L // 1024}K | {ratio(d[True]['t_fwd'], d[False]['t_fwd'])} | "
+            f"{ratio(d[True]['t_bwd'], d[False]['t_bwd'])} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(f"<!-- python benchmarks/bench_blockwise.py {' '.join(sys.argv[1:])} -->\n")
+        f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
