@@ -1,3 +1,100 @@
-"""KV offload tiers and retention policies over pages (see README)."""
+"""KV offload tiers and retention policies over pages (see README).
 
-__all__: list[str] = []
+Shape legend (as in ``ringattn`` and ``paged``):
+
+====  ==========================================
+P     pages in a pool (``P_host`` for a host pool)
+C     tokens per page
+K     key/value heads
+H     head dim
+L     layers
+n     pages moved by one call
+====  ==========================================
+
+Pools are ``k_pages, v_pages [L, K, P, C, H]`` (or ``[K, P, C, H]`` per layer); tiers are
+device memory, pinned host memory and disk.
+"""
+
+from offload._disk import CorruptCacheError, DiskStore
+from offload._host_pool import (
+    HostPagePool,
+    make_host_page_pool,
+    page_in,
+    page_out,
+    prefetch_layer,
+)
+from offload._mixed import (
+    MixedAttention,
+    mass_kept_from_lse,
+    mass_kept_from_page_mass,
+    mixed_residency_attention,
+    split_residency,
+)
+from offload._policies import (
+    POLICY_KINDS,
+    PolicyState,
+    RetentionPolicy,
+    Selection,
+    budget_units,
+    init_policy_state,
+    select_keep,
+    select_keep_reference,
+    token_attention_mass,
+    update_policy_state,
+    update_policy_state_reference,
+)
+from offload._stats import (
+    DIRECTIONS,
+    TIERS,
+    OffloadManager,
+    OffloadStats,
+    TransferTotals,
+)
+from offload._tiers import (
+    TransferHandle,
+    host_memory_kind,
+    ready,
+    to_device,
+    to_host,
+    wait,
+)
+
+__all__: list[str] = [
+    # retention policies
+    "POLICY_KINDS",
+    "PolicyState",
+    "RetentionPolicy",
+    "Selection",
+    "budget_units",
+    "init_policy_state",
+    "select_keep",
+    "select_keep_reference",
+    "token_attention_mass",
+    "update_policy_state",
+    "update_policy_state_reference",
+    # decode over mixed residency
+    "MixedAttention",
+    "mass_kept_from_lse",
+    "mass_kept_from_page_mass",
+    "mixed_residency_attention",
+    "split_residency",
+    # tiers, host pool, disk, accounting
+    "CorruptCacheError",
+    "DIRECTIONS",
+    "DiskStore",
+    "HostPagePool",
+    "OffloadManager",
+    "OffloadStats",
+    "TIERS",
+    "TransferHandle",
+    "TransferTotals",
+    "host_memory_kind",
+    "make_host_page_pool",
+    "page_in",
+    "page_out",
+    "prefetch_layer",
+    "ready",
+    "to_device",
+    "to_host",
+    "wait",
+]

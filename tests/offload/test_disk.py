@@ -1,0 +1,265 @@
+"""The disk tier: exact round trips, another process, loud corruption, budget and LRU."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from offload import (
+    CorruptCacheError,
+    DiskStore,
+    OffloadManager,
+    make_host_page_pool,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8]
+
+
+def _array(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return np.asarray(rng.integers(-128, 128, shape)).astype(dtype)
+    return np.asarray(rng.standard_normal(shape)).astype(dtype)
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_bit_exact(tmp_path, dtype):
+    store = DiskStore(tmp_path)
+    arrays = {"k": _array((2, 3, 4, 8), dtype), "v": jnp.asarray(_array((2, 3, 4, 8), dtype, 1))}
+    written = store.put("req-1", arrays)
+    assert written == 2 * arrays["k"].nbytes == store.nbytes == store.entry_nbytes("req-1")
+    back = store.get("req-1")
+    for name, x in arrays.items():
+        assert back[name].dtype == jnp.dtype(dtype) and back[name].shape == x.shape
+        np.testing.assert_array_equal(_bits(back[name]), _bits(x))
+    # A fresh store object on the same directory sees the entry.
+    again = DiskStore(tmp_path)
+    assert again.keys() == ["req-1"]
+    np.testing.assert_array_equal(_bits(again.get("req-1")["k"]), _bits(arrays["k"]))
+
+
+def test_written_by_one_process_read_by_another(tmp_path):
+    expected = {
+        "k": _array((2, 2, 3, 4, 8), jnp.bfloat16, 4),
+        "v": _array((2, 2, 3, 4, 8), jnp.int8, 5),
+    }
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import jax.numpy as jnp
+        import numpy as np
+        sys.path.insert(0, {REPO!r})
+        from offload import DiskStore
+        rng = np.random.default_rng(4)
+        k = np.asarray(rng.standard_normal((2, 2, 3, 4, 8))).astype(jnp.bfloat16)
+        rng = np.random.default_rng(5)
+        v = np.asarray(rng.integers(-128, 128, (2, 2, 3, 4, 8))).astype(jnp.int8)
+        DiskStore({str(tmp_path)!r}).put("seq", {{"k": k, "v": v}})
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    back = DiskStore(tmp_path).get("seq")
+    for name, x in expected.items():
+        np.testing.assert_array_equal(_bits(back[name]), _bits(x))
+
+
+def _stored(tmp_path):
+    store = DiskStore(tmp_path)
+    store.put("e", {"k": _array((4, 8), jnp.float32), "v": _array((4, 8), jnp.float32, 1)})
+    return store, os.path.join(str(tmp_path), "e")
+
+
+def test_missing_file_fails_naming_path(tmp_path):
+    store, entry = _stored(tmp_path)
+    os.remove(os.path.join(entry, "v.bin"))
+    with pytest.raises(CorruptCacheError, match=r"missing: .*e[/\\]v\.bin"):
+        store.get("e")
+
+
+def test_truncated_file_fails_naming_path(tmp_path):
+    store, entry = _stored(tmp_path)
+    path = os.path.join(entry, "k.bin")
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CorruptCacheError, match=r"truncated or resized: .*k\.bin"):
+        store.get("e")
+    with open(path, "ab") as f:
+        f.write(b"\0" * 200)  # now too long
+    with pytest.raises(CorruptCacheError, match=r"k\.bin \(expected 128 bytes, got 300\)"):
+        store.get("e")
+
+
+def test_corrupted_file_fails_naming_path(tmp_path):
+    store, entry = _stored(tmp_path)
+    path = os.path.join(entry, "v.bin")
+    with open(path, "r+b") as f:
+        f.seek(17)
+        byte = f.read(1)
+        f.seek(17)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CorruptCacheError, match=r"sha256 mismatch\): .*v\.bin"):
+        store.get("e")
+    assert isinstance(CorruptCacheError("x"), ValueError)
+
+
+def test_bad_manifest_and_index_fail_naming_path(tmp_path):
+    store, entry = _stored(tmp_path)
+    manifest = os.path.join(entry, "manifest.json")
+    with open(manifest, "w") as f:
+        f.write("{not json")
+    with pytest.raises(CorruptCacheError, match=r"unreadable: .*manifest\.json"):
+        store.get("e")
+    with open(manifest, "w") as f:
+        json.dump({"arrays": {"k": {"dtype": "float32"}}}, f)
+    with pytest.raises(CorruptCacheError, match=r"manifest malformed: .*manifest\.json"):
+        store.get("e")
+    with open(manifest, "w") as f:
+        json.dump({"arrays": []}, f)
+    with pytest.raises(CorruptCacheError, match=r"manifest malformed: .*manifest\.json"):
+        store.get("e")
+    os.remove(manifest)
+    with pytest.raises(CorruptCacheError, match=r"missing: .*manifest\.json"):
+        store.get("e")
+    index = os.path.join(str(tmp_path), "index.json")
+    with open(index, "w") as f:
+        f.write("[")
+    with pytest.raises(CorruptCacheError, match=r"unreadable: .*index\.json"):
+        DiskStore(tmp_path)
+    with open(index, "w") as f:
+        json.dump({"entries": [["a"]]}, f)
+    with pytest.raises(CorruptCacheError, match=r"index malformed: .*index\.json"):
+        DiskStore(tmp_path)
+
+
+def test_budget_evicts_least_recently_used(tmp_path):
+    entry = {"k": np.zeros((8, 8), np.float32)}  # 256 bytes
+    store = DiskStore(tmp_path, budget_bytes=600)
+    store.put("a", entry)
+    store.put("b", entry)
+    store.get("a")  # a is now the most recently used
+    store.put("c", entry)
+    assert store.keys() == ["a", "c"] and "b" not in store and len(store) == 2
+    assert not os.path.exists(os.path.join(str(tmp_path), "b"))
+    assert store.nbytes == 512
+    reopened = DiskStore(tmp_path, budget_bytes=600)
+    assert reopened.keys() == ["a", "c"]
+    reopened.put("a", {"k": np.ones((4, 8), np.float32)})  # replace shrinks and refreshes a
+    assert reopened.keys() == ["c", "a"] and reopened.nbytes == 384
+    reopened.delete("c")
+    assert reopened.keys() == ["a"]
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"DiskStore: budget_bytes: expected a positive int"):
+        DiskStore(tmp_path, budget_bytes=0)
+    store = DiskStore(tmp_path, budget_bytes=100)
+    with pytest.raises(ValueError, match=r"DiskStore.put: key: expected 1-128 characters"):
+        store.put("../x", {"k": np.zeros(2)})
+    with pytest.raises(ValueError, match=r"DiskStore.put: key: expected 1-128 characters"):
+        store.put("a", {"bad name": np.zeros(2)})
+    with pytest.raises(ValueError, match=r"DiskStore.put: arrays: expected a non-empty mapping"):
+        store.put("a", {})
+    with pytest.raises(ValueError, match=r"DiskStore.put: arrays: name 'manifest' is reserved"):
+        store.put("a", {"manifest": np.zeros(2)})
+    with pytest.raises(ValueError, match=r"DiskStore.put: arrays: expected at most budget_bytes"):
+        store.put("a", {"k": np.zeros(100)})
+    with pytest.raises(ValueError, match=r"DiskStore.get: key: no entry 'a'"):
+        store.get("a")
+    with pytest.raises(ValueError, match=r"DiskStore.delete: key: no entry 'a'"):
+        store.delete("a")
+    with pytest.raises(ValueError, match=r"DiskStore.entry_nbytes: key: no entry 'a'"):
+        store.entry_nbytes("a")
+    with pytest.raises(ValueError, match=r"DiskStore.path: key: expected 1-128 characters"):
+        store.path("")
+
+
+def _manager(tmp_path, slots=4, budget=None):
+    rng = np.random.default_rng(9)
+    k = jnp.asarray(rng.standard_normal((2, 2, 8, 4, 8)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, 2, 8, 4, 8)), jnp.bfloat16)
+    disk = DiskStore(tmp_path, budget_bytes=budget)
+    return k, v, OffloadManager(make_host_page_pool(k, v, slots), disk=disk)
+
+
+def test_manager_spill_and_restore(tmp_path):
+    k, v, manager = _manager(tmp_path)
+    manager.wait(manager.page_out(k, v, [6, 3], request_id="r1"))
+    page_bytes = manager.host_pool.page_nbytes
+    written = manager.spill("r1")
+    stats = manager.stats
+    assert written == 2 * page_bytes and manager.free_slots == 4
+    assert stats.tier_bytes("host") == 0 and stats.tier_bytes("disk", request_id="r1") == written
+    assert stats.transfers("host_to_disk").nbytes == written
+    # Occupy slot 0 so the restore lands in different slots.
+    manager.wait(manager.page_out(k, v, [1], request_id="r2"))
+    assert manager.restore("r1") == written
+    assert stats.tier_bytes("disk") == 0 and "r1" not in manager.disk
+    assert stats.tier_bytes("host", request_id="r1") == written
+    assert stats.transfers("disk_to_host").count == 1
+    slots = manager.host_slots("r1")
+    assert slots.size == 2 and not set(slots) & set(manager.host_slots("r2"))
+    host_k = np.asarray(manager.host_pool.k_pages)
+    np.testing.assert_array_equal(_bits(host_k[:, :, slots]), _bits(np.asarray(k)[:, :, [6, 3]]))
+    back_k, back_v, handle = manager.page_in(
+        jnp.zeros_like(k), jnp.zeros_like(v), [4, 5], request_id="r1"
+    )
+    manager.wait(handle)
+    np.testing.assert_array_equal(_bits(back_v[:, :, [4, 5]]), _bits(v[:, :, [6, 3]]))
+
+
+def test_manager_restore_of_corrupt_entry_leaves_tiers_untouched(tmp_path):
+    k, v, manager = _manager(tmp_path)
+    manager.wait(manager.page_out(k, v, [6, 3], request_id="r1"))
+    manager.spill("r1")
+    manager.wait(manager.page_out(k, v, [2], request_id="r2"))
+    host_before = np.asarray(manager.host_pool.k_pages).copy()
+    snapshot = manager.stats.as_dict()
+    path = os.path.join(manager.disk.path("r1"), "k.bin")
+    with open(path, "r+b") as f:
+        f.write(b"\xff\xff")
+    with pytest.raises(CorruptCacheError, match=r"r1[/\\]k\.bin"):
+        manager.restore("r1")
+    assert manager.free_slots == 3 and manager.host_slots("r1").size == 0
+    assert manager.stats.as_dict() == snapshot and "r1" in manager.disk
+    np.testing.assert_array_equal(_bits(np.asarray(manager.host_pool.k_pages)), _bits(host_before))
+
+
+def test_manager_disk_budget_and_errors(tmp_path):
+    page_bytes = 2 * (2 * 2 * 4 * 8) * 2  # k and v, [L, K, C, H] bfloat16
+    k, v, manager = _manager(tmp_path, slots=3, budget=2 * page_bytes + page_bytes // 2)
+    for request in ("a", "b"):
+        manager.wait(manager.page_out(k, v, [1], request_id=request))
+        manager.spill(request)
+    manager.wait(manager.page_out(k, v, [2, 3, 0], request_id="c"))
+    with pytest.raises(ValueError, match=r"DiskStore.put: arrays: expected at most budget_bytes"):
+        manager.spill("c")
+    manager.drop("c")
+    # Both single-page entries fit the budget; a third evicts the least recently used.
+    manager.wait(manager.page_out(k, v, [4], request_id="d"))
+    manager.spill("d")
+    assert manager.disk.keys() == ["b", "d"]
+    assert manager.stats.tier_bytes("disk", request_id="a") == 0
+    assert manager.stats.tier_bytes("disk") == manager.disk.nbytes
+    with pytest.raises(ValueError, match=r"DiskStore.get: key: no entry 'a'"):
+        manager.restore("a")
+    with pytest.raises(ValueError, match=r"spill: request_id: no host pages for 'a'"):
+        manager.spill("a")
+    manager.wait(manager.page_out(k, v, [5, 6, 7], request_id="e"))
+    with pytest.raises(ValueError, match=r"restore: request_id: expected at most 0 pages"):
+        manager.restore("b")
+    manager.drop("e")
+    manager.disk.put("odd", {"k": np.zeros((2, 2, 1, 4, 8), np.float32)})
+    with pytest.raises(ValueError, match=r"restore: request_id: disk entry 'odd' array 'k'"):
+        manager.restore("odd")
