@@ -170,6 +170,30 @@ def _slice(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
+def varying_axes(*xs) -> frozenset:
+    """Mesh axes along which any of ``xs`` varies (empty outside ``shard_map``)."""
+    axes = frozenset()
+    for x in xs:
+        if x is None:
+            continue
+        aval = jax.typeof(x)
+        mat = getattr(aval, "mat", None)  # JAX 0.10: ManualAxisType(varying=...)
+        varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+        axes |= frozenset(varying or ())
+    return axes
+
+
+def cast_varying(tree, axes: frozenset):
+    """``pcast`` every leaf to vary along ``axes``, so loop carries and ``switch`` branches
+    type-check under ``shard_map(check_vma=True)`` (a no-op outside ``shard_map``)."""
+
+    def one(x):
+        missing = tuple(sorted(axes - varying_axes(x), key=str))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
 def forward_heads_major(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig):
     """Blockwise forward on padded heads-major arrays.
 
@@ -187,6 +211,7 @@ def forward_heads_major(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelCon
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, Sp // bk
     summ = _Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk)
+    axes = varying_axes(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg)
 
     def q_block(i):
         q_blk = _slice(qh, i * bq, bq, 3)  # [B, K, G, bq, H]
@@ -211,7 +236,7 @@ def forward_heads_major(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelCon
                 state,
             )
 
-        state = init_online_softmax((B, K, G * bq), H)
+        state = cast_varying(init_online_softmax((B, K, G * bq), H), axes)
         state = lax.fori_loop(0, nk, step, state)
         out, lse = finalize_online_softmax(state)
         return out.reshape(B, K, G, bq, H), lse.reshape(B, K, G, bq)
@@ -242,6 +267,7 @@ def backward_heads_major(
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, Sp // bk
     summ = _Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk)
+    axes = varying_axes(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta)
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
     softcap = cfg.mask.softcap
 
@@ -294,11 +320,11 @@ def backward_heads_major(
                 carry,
             )
 
-        zeros = jnp.zeros((B, K, bk, H), jnp.float32)
+        zeros = cast_varying(jnp.zeros((B, K, bk, H), jnp.float32), axes)
         dq, dk, dv = lax.fori_loop(0, nq, step, (dq, zeros, zeros))
         return dq, (dk, dv)
 
-    dq0 = jnp.zeros((B, K, G, Tp, H), jnp.float32)
+    dq0 = cast_varying(jnp.zeros((B, K, G, Tp, H), jnp.float32), axes)
     dq, (dk, dv) = lax.scan(kv_block, dq0, jnp.arange(nk))  # dk: [nk, B, K, bk, H]
     dk = jnp.moveaxis(dk, 0, 2).reshape(B, K, Sp, H)
     dv = jnp.moveaxis(dv, 0, 2).reshape(B, K, Sp, H)
