@@ -1,0 +1,331 @@
+"""Ring attention: exact attention over a sequence sharded on a mesh axis, one shard per device.
+
+Called per shard inside ``jax.shard_map``. Each device keeps its queries; the key/value block
+(with its positions and segment ids) travels the ring with ``jax.lax.ppermute`` over
+``perm = [(i, (i + 1) % n)]``, so after ``t`` hops device ``i`` holds block ``(i - t) % n``.
+Every hop runs the blockwise kernel of :mod:`ringattn._blockwise`, whose dynamic block
+classification skips key blocks that the mask hides (a causal-future hop, a sliding window,
+other documents), and the partial ``(out, lse)`` of each hop is merged in float32.
+
+* Exactly ``n - 1`` hops (no final rotation back), one ``collective-permute`` per hop: the
+  block's keys, values and ids are packed into one byte buffer, and only the ``K`` key/value
+  heads travel (GQA, MQA).
+* The next hop's send is issued before the current hop's compute, so on GPU/TPU the
+  transfer can overlap it (on CPU ``ppermute`` is synchronous).
+* The backward pass is a ``custom_vjp``: key blocks travel the ring again, together with
+  their float32 ``dK``/``dV`` accumulators, which a last shift sends home. Memory stays
+  linear in the local shard.
+* With ``causal``, a sliding ``window`` and the ``"contiguous"`` layout, hops whose block lies
+  outside every local query's window are neither computed nor communicated.
+
+References:
+  Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
+  Context", 2023; Brandon et al., "Striped Attention", 2023; Dao, "FlashAttention-2", 2023.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from ringattn._blockwise import (
+    BlockSizes,
+    attention_delta,
+    backward_heads_major,
+    cast_varying,
+    forward_heads_major,
+    kv_from_heads_major,
+    kv_to_heads_major,
+    make_kernel_config,
+    pad_ids,
+    q_from_heads_major,
+    q_to_heads_major,
+    varying_axes,
+)
+from ringattn._layout import LAYOUTS, shard_positions
+from ringattn._mask import MaskSpec, check_qkv, normalize_mask_inputs
+from ringattn._online_softmax import merge_attention
+
+__all__ = ["ring_attention"]
+
+# ---- the ring ----
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingPlan:
+    """Everything static about one ring call (hashable: a ``custom_vjp`` nondiff argument)."""
+
+    axis_name: str | tuple
+    num_shards: int
+    hops: int  # key blocks received from other devices: n - 1, or fewer with a window
+    mask: MaskSpec
+    block_sizes: BlockSizes
+
+
+def _shift(x, plan: _RingPlan, offset: int):
+    """Sends ``x`` from device ``i`` to device ``(i + offset) % n`` along the ring axis."""
+    n = plan.num_shards
+    return lax.ppermute(x, plan.axis_name, [(i, (i + offset) % n) for i in range(n)])
+
+
+def _pack(arrays):
+    """Flattens arrays (``None`` allowed) into one uint8 buffer: one collective per hop."""
+    parts, spec = [], []
+    for x in arrays:
+        spec.append(None if x is None else (x.shape, x.dtype))
+        if x is not None:
+            parts.append(lax.bitcast_convert_type(x, jnp.uint8).reshape(-1))
+    return jnp.concatenate(parts), tuple(spec)
+
+
+def _unpack(buffer, spec):
+    out, offset = [], 0
+    for item in spec:
+        if item is None:
+            out.append(None)
+            continue
+        shape, dtype = item
+        width = np.dtype(dtype).itemsize
+        size = int(np.prod(shape)) * width
+        chunk = lax.slice(buffer, (offset,), (offset + size,))
+        chunk = chunk.reshape(*shape, width) if width > 1 else chunk.reshape(shape)
+        out.append(lax.bitcast_convert_type(chunk, dtype))
+        offset += size
+    return tuple(out)
+
+
+def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan: _RingPlan):
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    sizes = plan.block_sizes
+    cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, sizes.block_q, sizes.block_kv)
+    qh, qp, qs = q_to_heads_major(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
+    block = (kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp))
+    block += (pad_ids(kv_pos, Sp), pad_ids(kv_seg, Sp))
+    buffer, spec = _pack(block) if plan.hops else (None, None)
+    out = lse = None
+    for hop in range(plan.hops + 1):
+        # Issue the next hop's transfer before this hop's compute (double buffering).
+        incoming = _shift(buffer, plan, 1) if hop < plan.hops else None
+        if hop > 0:
+            block = _unpack(buffer, spec)
+        o, l = forward_heads_major(qh, *block[:2], qp, block[2], qs, block[3], cfg)
+        out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
+        buffer = incoming
+    return q_from_heads_major(out, T).astype(q.dtype), q_from_heads_major(lse, T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan):
+    return _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan)
+
+
+def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan):
+    out, lse = _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan)
+    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+
+
+def _ring_bwd(plan: _RingPlan, residuals, cotangents):
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    dout, dlse = cotangents
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    bq, bk = plan.block_sizes.backward
+    cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, bq, bk)
+    qh, qp, qs = q_to_heads_major(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
+    lse_h = q_to_heads_major(lse, K, Tp)  # [B, K, G, Tp]
+    dout_h = q_to_heads_major(dout, K, Tp)  # [B, K, G, Tp, H]
+    delta_h = q_to_heads_major(attention_delta(out, dout, dlse), K, Tp)
+    block = (kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp))
+    block += (pad_ids(kv_pos, Sp), pad_ids(kv_seg, Sp))
+    buffer, spec = _pack(block) if plan.hops else (None, None)
+    dq = dkv = arriving = None
+    for hop in range(plan.hops + 1):
+        incoming = _shift(buffer, plan, 1) if hop < plan.hops else None
+        if hop > 0:
+            block = _unpack(buffer, spec)
+        dq_hop, dk_hop, dv_hop = backward_heads_major(
+            qh, *block[:2], qp, block[2], qs, block[3], lse_h, dout_h, delta_h, cfg
+        )
+        dq = dq_hop if dq is None else dq + dq_hop
+        # dK/dV of the block held at this hop: [B, K, Sp, 2H] float32, travelling with it.
+        dkv = jnp.concatenate([dk_hop, dv_hop], axis=-1)
+        dkv = dkv if arriving is None else arriving + dkv
+        arriving = _shift(dkv, plan, 1) if hop < plan.hops else None
+        buffer = incoming
+    if plan.hops:
+        dkv = _shift(dkv, plan, -plan.hops)  # block (i - hops)'s gradients go home
+    dk = kv_from_heads_major(dkv[..., :H], S)
+    dv = kv_from_heads_major(dkv[..., H:], S)
+    dq = q_from_heads_major(dq, T)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _axis_size(fn: str, axis_name) -> int:
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as err:
+        raise ValueError(
+            f"{fn}: axis_name {axis_name!r} is not a bound mesh axis; call {fn} per shard "
+            "inside jax.shard_map over a mesh with that axis"
+        ) from err
+
+
+def _window_hops(n: int, T: int, S: int, mask: MaskSpec, layout: str, default_pos: bool) -> int:
+    """Hops that can reach a visible key.
+
+    With causal masking, a window ``w`` and contiguous shards of ``L`` tokens at their default
+    positions, hop ``t``'s newest key ``(i - t + 1) L - 1`` is visible to query ``i L`` iff
+    ``(t - 1) L + 1 < w``. Later hops hold blocks outside every window or (after wrapping
+    around) in the causal future.
+    """
+    if mask.causal and mask.window is not None and layout == "contiguous" and default_pos:
+        if T == S:
+            return min(n - 1, (mask.window - 2) // T + 1)
+    return n - 1
+
+
+def _layout_block_sizes(block_sizes: BlockSizes, layout: str, T: int, S: int) -> BlockSizes:
+    """With ``"zigzag"``, blocks no larger than one chunk, so the kernel can skip chunk pairs."""
+    if layout != "zigzag":
+        return block_sizes
+    bq_bwd, bk_bwd = block_sizes.backward
+    return BlockSizes(
+        block_q=min(block_sizes.block_q, T // 2),
+        block_kv=min(block_sizes.block_kv, S // 2),
+        block_q_bwd=min(bq_bwd, T // 2),
+        block_kv_bwd=min(bk_bwd, S // 2),
+    )
+
+
+def ring_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K H"],
+    *,
+    axis_name: str | tuple[str, ...],
+    causal: bool = False,
+    layout: str = "contiguous",
+    q_segment_ids: Int[Array, "B T"] | None = None,
+    kv_segment_ids: Int[Array, "B S"] | None = None,
+    q_positions: Int[Array, "B T"] | None = None,
+    kv_positions: Int[Array, "B S"] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    block_sizes: BlockSizes | None = None,
+):
+    """Exact attention over a sequence sharded along ``axis_name``; call it per shard.
+
+    Use inside ``jax.shard_map``: ``q``, ``k``, ``v`` are this device's shard of a global
+    sequence laid out by ``layout`` (see :func:`ringattn.to_layout`), and the result is this
+    shard's rows of ``attention_reference`` on the global, un-permuted sequence. Key/value
+    blocks travel the ring over ``axis_name`` only, so other mesh axes (batch on ``"data"``,
+    heads on ``"model"``) may shard the inputs too. Works under ``check_vma=True``.
+
+    Args:
+      q: ``[B, T, N, H]`` this shard's queries.
+      k: ``[B, S, K, H]`` this shard's keys; ``N % K == 0``. Only the ``K`` heads travel.
+      v: ``[B, S, K, H]`` this shard's values.
+      axis_name: the mesh axis (or tuple of axes) the sequence is sharded over.
+      causal: a query at global position ``p`` sees keys at positions ``<= p``.
+      layout: one of ``LAYOUTS``: ``"contiguous"``, or the causally load-balanced
+        ``"zigzag"`` (``T``, ``S`` even) and ``"striped"``. It sets the default positions.
+      q_segment_ids: ``[B, T]`` int segment ids of the local queries (packed documents).
+      kv_segment_ids: ``[B, S]`` int segment ids of the local keys (given with
+        ``q_segment_ids``); they travel with the keys.
+      q_positions: ``[B, T]`` int global positions of the local queries; default
+        ``shard_positions(layout, axis_index, n, T)`` for every batch row.
+      kv_positions: ``[B, S]`` int global positions of the local keys; default likewise.
+      window: hide keys at positions ``<= p - window``. With ``causal``, the contiguous
+        layout, default positions and ``T == S``, hops beyond the window are not run at all.
+      softcap: logits become ``softcap * tanh(logits / softcap)``.
+      scale: logit scale, default ``1 / sqrt(H)``.
+      return_lse: also return the float32 log-sum-exp ``[B, T, N]`` over all shards' keys.
+      block_sizes: :class:`ringattn.BlockSizes` of the per-hop kernel; with ``"zigzag"`` they
+        are clamped to half the local length so causal chunk pairs can be skipped.
+
+    Returns:
+      ``out [B, T, N, H]`` in ``q.dtype``, or ``(out, lse)``. Rows that see no key get
+      ``out = 0`` and ``lse = -inf``. Differentiable (``custom_vjp``) in ``q``, ``k``, ``v``,
+      also through ``lse``.
+
+    Raises:
+      ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, segment ids or positions
+        of the wrong shape or dtype, an unknown ``layout``, an odd ``T`` or ``S`` with
+        ``"zigzag"``, a bad window, softcap, scale or ``block_sizes``, or an ``axis_name``
+        that is not bound (called outside ``shard_map``).
+
+    Example:
+      >>> import functools, jax, jax.numpy as jnp
+      >>> from jax.sharding import AxisType, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("seq",), axis_types=(AxisType.Auto,))
+      >>> f = jax.shard_map(
+      ...     functools.partial(ring_attention, axis_name="seq", causal=True),
+      ...     mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+      >>> q = jax.random.normal(jax.random.key(0), (1, 64, 4, 16))
+      >>> kv = jax.random.normal(jax.random.key(1), (1, 64, 2, 16))
+      >>> jax.jit(f)(q, kv, kv).shape
+      (1, 64, 4, 16)
+
+    References:
+      Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
+      Context", 2023.
+    """
+    fn = "ring_attention"
+    B, T, S, N, K, H = check_qkv(fn, q, k, v)
+    if layout not in LAYOUTS:
+        raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}")
+    mask = MaskSpec(causal=bool(causal), window=window, softcap=softcap, scale=scale)
+    if block_sizes is None:
+        block_sizes = BlockSizes()
+    elif not isinstance(block_sizes, BlockSizes):
+        raise ValueError(
+            f"{fn}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}"
+        )
+    if layout == "zigzag" and (T % 2 or S % 2):
+        raise ValueError(
+            f"{fn}: layout 'zigzag' holds two equal chunks per shard, so the local lengths "
+            f"must be even; got T={T} (q) and S={S} (k/v)"
+        )
+    n = _axis_size(fn, axis_name)
+    default_pos = q_positions is None and kv_positions is None
+    index = lax.axis_index(axis_name)
+    if q_positions is None:
+        q_positions = jnp.broadcast_to(shard_positions(layout, index, n, T), (B, T))
+    if kv_positions is None:
+        kv_positions = jnp.broadcast_to(shard_positions(layout, index, n, S), (B, S))
+    q_seg, kv_seg, q_pos, kv_pos = normalize_mask_inputs(
+        fn,
+        B,
+        T,
+        S,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+    )
+    plan = _RingPlan(
+        axis_name=axis_name,
+        num_shards=n,
+        hops=_window_hops(n, T, S, mask, layout, default_pos) if n > 1 else 0,
+        mask=mask,
+        block_sizes=_layout_block_sizes(block_sizes, layout, T, S),
+    )
+    # Everything that travels or meets travelling data must vary along the ring axis, and
+    # the custom VJP's cotangents must match its inputs' types: cast all inputs to vary
+    # together (for a ``k`` replicated over a head axis, the cast's transpose is the psum
+    # its gradient needs).
+    args = (q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    ring_axes = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg = cast_varying(args, ring_axes | varying_axes(*args))
+    out, lse = _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,120 @@
+"""Sequence layouts: round trips, shard positions against a numpy construction, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ringattn._layout import LAYOUTS, from_layout, shard_positions, to_layout
+
+
+def _positions_numpy(layout: str, i: int, n: int, local: int) -> np.ndarray:
+    """Global positions of shard ``i`` written out token by token."""
+    if layout == "contiguous":
+        return np.array([i * local + t for t in range(local)])
+    if layout == "striped":
+        return np.array([i + n * t for t in range(local)])
+    chunk = local // 2
+    first = [i * chunk + t for t in range(chunk)]
+    second = [(2 * n - 1 - i) * chunk + t for t in range(chunk)]
+    return np.array(first + second)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_shard_positions_match_numpy(layout, n):
+    local = 4
+    for i in range(n):
+        got = shard_positions(layout, i, n, local)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, _positions_numpy(layout, i, n, local))
+    everything = np.concatenate([shard_positions(layout, i, n, local) for i in range(n)])
+    np.testing.assert_array_equal(np.sort(everything), np.arange(n * local))  # a partition
+
+
+def test_shard_positions_traced_index():
+    traced = jax.jit(lambda i: shard_positions("zigzag", i, 4, 6))
+    for i in range(4):
+        np.testing.assert_array_equal(traced(jnp.int32(i)), _positions_numpy("zigzag", i, 4, 6))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("axis", [1, 0, -1])
+def test_to_layout_gives_each_shard_its_positions(layout, n, axis):
+    local = 4
+    L = n * local
+    x = np.arange(2 * L * 3, dtype=np.int32).reshape(2, L, 3)  # sequence on axis 1
+    x = np.moveaxis(x, 1, axis)
+    y = to_layout(x, layout, num_shards=n, axis=axis)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    order = np.concatenate([_positions_numpy(layout, i, n, local) for i in range(n)])
+    np.testing.assert_array_equal(y, np.take(x, order, axis=axis))
+    np.testing.assert_array_equal(from_layout(y, layout, num_shards=n, axis=axis), x)
+
+
+def test_round_trip_under_jit_and_bfloat16():
+    x = jax.random.normal(jax.random.key(0), (2, 24, 3, 4)).astype(jnp.bfloat16)
+
+    @jax.jit
+    def round_trips(x):
+        return [from_layout(to_layout(x, lay, num_shards=3), lay, num_shards=3) for lay in LAYOUTS]
+
+    for y in round_trips(x):
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_balanced_layouts_share_causal_work(layout):
+    """Causal (query, key) pairs per shard: equal for zigzag; for striped shard ``i``
+    does ``i * L`` more than shard 0 (one diagonal token per key row).
+
+    With ``contiguous`` the last shard does more than ``n`` times the work of the first.
+    """
+    n, local = 4, 8
+    work = []
+    for i in range(n):
+        q = _positions_numpy(layout, i, n, local)
+        work.append(int(np.sum(q + 1)))  # keys at positions <= q
+    if layout == "zigzag":
+        assert len(set(work)) == 1
+    else:
+        assert [w - work[0] for w in work] == [i * local for i in range(n)]
+    contiguous = [int(np.sum(_positions_numpy("contiguous", i, n, local) + 1)) for i in range(n)]
+    assert contiguous[-1] > n * contiguous[0]
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((np.zeros((1, 8)), "diagonal"), {"num_shards": 2}, "layout must be one of"),
+        ((np.zeros((1, 9)), "contiguous"), {"num_shards": 2}, "divisible by num_shards = 2"),
+        ((np.zeros((1, 6)), "striped"), {"num_shards": 4}, "divisible by num_shards = 4"),
+        ((np.zeros((1, 6)), "zigzag"), {"num_shards": 2}, r"divisible by 2 × num_shards = 4"),
+        ((np.zeros((1, 8)), "zigzag"), {"num_shards": 0}, "num_shards must be a positive int"),
+        ((np.zeros((1, 8)), "zigzag"), {"num_shards": 2.0}, "num_shards must be a positive int"),
+        ((np.zeros((1, 8)), "striped"), {"num_shards": 2, "axis": 2}, "axis must be an int"),
+        (([0, 1], "striped"), {"num_shards": 2}, "x must be an array"),
+    ],
+)
+@pytest.mark.parametrize("fn", [to_layout, from_layout])
+def test_layout_errors(fn, args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("diagonal", 0, 2, 4), "layout must be one of"),
+        (("zigzag", 0, 2, 3), "local_len must be even"),
+        (("striped", 2, 2, 4), r"shard_index must be in \[0, 2\)"),
+        (("striped", -1, 2, 4), r"shard_index must be in \[0, 2\)"),
+        (("contiguous", 0, 0, 4), "num_shards must be a positive int"),
+        (("contiguous", 0, 2, 0), "local_len must be a positive int"),
+    ],
+)
+def test_shard_positions_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        shard_positions(*args)
