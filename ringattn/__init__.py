@@ -13,9 +13,19 @@ H     head dim
 ====  ==========================================
 
 Canonical layout: ``q [B, T, N, H]``, ``k, v [B, S, K, H]``, ``lse [B, T, N]`` (float32).
+
+Per shard inside ``shard_map``: :func:`ring_attention` (the ring over a mesh axis) and the
+load-balanced sequence layouts :data:`LAYOUTS` (:func:`to_layout`, :func:`from_layout`,
+:func:`shard_positions`).
+
+Over a mesh: :func:`sharded_attention` (ring / all-gather / Ulysses / USP on global arrays),
+:func:`sharded_decode_attention` and :func:`allreduce_attention` (decode over a
+sequence-sharded KV cache, tree attention).
 """
 
 from ringattn._blockwise import BlockSizes, blockwise_attention
+from ringattn._decode import allreduce_attention, sharded_decode_attention
+from ringattn._layout import LAYOUTS, from_layout, shard_positions, to_layout
 from ringattn._mask import MaskSpec, attention_mask
 from ringattn._online_softmax import (
     OnlineSoftmax,
@@ -25,8 +35,19 @@ from ringattn._online_softmax import (
     update_online_softmax,
 )
 from ringattn._reference import attention_reference
+from ringattn._ring import ring_attention
+from ringattn._sharded import STRATEGIES, sharded_attention
 
 __all__ = [
+    "LAYOUTS",
+    "from_layout",
+    "ring_attention",
+    "shard_positions",
+    "to_layout",
+    "STRATEGIES",
+    "allreduce_attention",
+    "sharded_attention",
+    "sharded_decode_attention",
     "BlockSizes",
     "MaskSpec",
     "OnlineSoftmax",

@@ -1,0 +1,406 @@
+"""One entry point for attention over a sequence-sharded device mesh, four strategies.
+
+:func:`sharded_attention` takes GLOBAL arrays whose sequence axis is (or is to be) sharded over
+a mesh axis, builds the ``jax.shard_map`` and runs one of:
+
+* ``"ring"``: K/V blocks travel a ring of devices (:func:`ringattn.ring_attention`); memory per
+  device stays linear in the local shard; ``n - 1`` hops of ``2 * B * S/n * K * H`` elements.
+* ``"allgather"``: K/V (with positions and segment ids) are all-gathered, queries stay local
+  (the Llama-3 context-parallel form). One collective of the whole K/V; the gradient of the
+  all-gather is a reduce-scatter of dK/dV.
+* ``"ulysses"``: two all-to-alls trade the sequence sharding for a head sharding, each device
+  runs full-sequence attention on ``N/n`` query heads, and the output goes back the same way
+  (DeepSpeed-Ulysses). The degree is limited by the number of heads.
+* ``"usp"``: Ulysses over one mesh axis and ring over another (2D, "unified sequence
+  parallelism", yunchang).
+
+All four give the result of :func:`ringattn.attention_reference` on the un-permuted global
+sequence. Local compute is :func:`ringattn.blockwise_attention` (memory-linear, custom VJP).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from ringattn._blockwise import BlockSizes, blockwise_attention
+from ringattn._layout import LAYOUTS, from_layout, to_layout
+from ringattn._mask import MaskSpec, check_ids, check_qkv
+from ringattn._ring import ring_attention
+
+__all__ = ["STRATEGIES", "sharded_attention"]
+
+STRATEGIES = ("ring", "allgather", "ulysses", "usp")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one :func:`sharded_attention` call (a jit static argument)."""
+
+    mesh: jax.sharding.Mesh
+    strategy: str
+    layout: str
+    seq_axis: str  # the ring / all-gather / Ulysses axis ("usp": the ring axis)
+    ulysses_axis: str | None  # "usp" only
+    batch_axis: str | None
+    head_axis: str | None
+    layout_shards: int  # shards the layout permutation is over
+    kv_repeat: int  # Ulysses: each kv head is repeated this many times before the all-to-all
+    mask: MaskSpec
+    block_sizes: BlockSizes | None
+    return_lse: bool
+
+    @property
+    def seq_spec(self):
+        # "usp": the ring axis is major, so after the Ulysses all-to-all each device holds one
+        # contiguous chunk of the ring layout.
+        if self.ulysses_axis is None:
+            return self.seq_axis
+        return (self.seq_axis, self.ulysses_axis)
+
+    def spec(self, ndim: int) -> P:
+        """Partition spec of a ``[B, L, ...]`` array: 2 ids, 3 lse, 4 q/k/v/out."""
+        return P(self.batch_axis, self.seq_spec, *((self.head_axis, None)[: ndim - 2]))
+
+
+def _fail(message: str):
+    raise ValueError(f"sharded_attention: {message}")
+
+
+def _check_axis(mesh, name, what: str) -> int:
+    if not isinstance(name, str):
+        _fail(f"{what} must be a mesh axis name (str), got {name!r}")
+    if name not in mesh.axis_names:
+        _fail(f"{what} {name!r} is not an axis of the mesh; mesh axes are {mesh.axis_names}")
+    return int(mesh.shape[name])
+
+
+def _ulysses_repeat(N: int, K: int, n: int, what: str) -> int:
+    """How often each kv head is repeated so that ``n`` devices can split the heads."""
+    if N % n != 0:
+        _fail(
+            f"{what}: query heads per device N={N} must be divisible by the Ulysses degree "
+            f"{n} (the all-to-all splits heads across devices)"
+        )
+    # K' = lcm(K, n) divides N because K | N and n | N; each query head keeps its kv head.
+    return n // math.gcd(K, n)
+
+
+def _check_ids(name, x, shape):
+    return None if x is None else check_ids("sharded_attention", name, x, shape)
+
+
+def _natural(x, plan: _Plan, axis: int = 1):
+    """Gathered layout-order sequence → natural order (a static local permutation)."""
+    if plan.layout == "contiguous" or plan.layout_shards == 1 or x is None:
+        return x
+    return from_layout(x, plan.layout, num_shards=plan.layout_shards, axis=axis)
+
+
+def _permuted(x, plan: _Plan, axis: int = 1):
+    if plan.layout == "contiguous" or plan.layout_shards == 1:
+        return x
+    return to_layout(x, plan.layout, num_shards=plan.layout_shards, axis=axis)
+
+
+def _attend_local(q, k, v, qs, ks, qp, kp, plan: _Plan):
+    m = plan.mask
+    return blockwise_attention(
+        q,
+        k,
+        v,
+        causal=m.causal,
+        q_segment_ids=qs,
+        kv_segment_ids=ks,
+        q_positions=qp,
+        kv_positions=kp,
+        window=m.window,
+        softcap=m.softcap,
+        scale=m.scale,
+        return_lse=True,
+        block_sizes=plan.block_sizes,
+    )
+
+
+def _attend_ring(q, k, v, qs, ks, qp, kp, plan: _Plan):
+    m = plan.mask
+    return ring_attention(
+        q,
+        k,
+        v,
+        axis_name=plan.seq_axis,
+        causal=m.causal,
+        layout=plan.layout,
+        q_segment_ids=qs,
+        kv_segment_ids=ks,
+        q_positions=qp,
+        kv_positions=kp,
+        window=m.window,
+        softcap=m.softcap,
+        scale=m.scale,
+        return_lse=True,
+        block_sizes=plan.block_sizes,
+    )
+
+
+def _gather(x, axis_name, axis: int = 1):
+    return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
+def _allgather_body(q, k, v, qs, ks, qp, kp, plan: _Plan):
+    a = plan.seq_axis
+    k, v, ks, kp = (_natural(_gather(x, a), plan) for x in (k, v, ks, kp))
+    return _attend_local(q, k, v, qs, ks, qp, kp, plan)
+
+
+def _ulysses_body(q, k, v, qs, ks, qp, kp, plan: _Plan):
+    """Sequence-sharded → head-sharded, attend over the full (ring-local) sequence, and back."""
+    u = plan.ulysses_axis if plan.strategy == "usp" else plan.seq_axis
+    if plan.kv_repeat > 1:
+        k = jnp.repeat(k, plan.kv_repeat, axis=2)  # [B, S/n, K * r, H]: copies stay adjacent
+        v = jnp.repeat(v, plan.kv_repeat, axis=2)
+
+    def to_heads(x):  # [B, L/n, N, H] -> [B, L, N/n, H]
+        return lax.all_to_all(x, u, split_axis=2, concat_axis=1, tiled=True)
+
+    def to_sequence(x):  # [B, L, N/n, ...] -> [B, L/n, N, ...]
+        return lax.all_to_all(x, u, split_axis=1, concat_axis=2, tiled=True)
+
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    qs, ks, qp, kp = (_gather(x, u) for x in (qs, ks, qp, kp))
+    if plan.strategy == "usp":
+        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, plan)
+    else:
+        q, k, v, qs, ks, qp, kp = (_natural(x, plan) for x in (q, k, v, qs, ks, qp, kp))
+        out, lse = _attend_local(q, k, v, qs, ks, qp, kp, plan)
+        out, lse = _permuted(out, plan), _permuted(lse, plan)
+    return to_sequence(out), to_sequence(lse)
+
+
+def _body(q, k, v, qs, ks, qp, kp, *, plan: _Plan):
+    if plan.strategy == "ring":
+        return _attend_ring(q, k, v, qs, ks, qp, kp, plan)
+    if plan.strategy == "allgather":
+        return _allgather_body(q, k, v, qs, ks, qp, kp, plan)
+    return _ulysses_body(q, k, v, qs, ks, qp, kp, plan)
+
+
+def _default_positions(B: int, L: int, plan: _Plan):
+    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    return _permuted(positions, plan)
+
+
+@functools.partial(jax.jit, static_argnums=(7,))
+def _sharded(q, k, v, qs, ks, qp, kp, plan: _Plan):
+    B, T = q.shape[:2]
+    S = k.shape[1]
+    # Ring and USP let the ring derive default positions from the layout (and the shard index);
+    # the other strategies gather positions, so they get explicit ones.
+    if plan.strategy in ("allgather", "ulysses"):
+        if qp is None:
+            qp = _default_positions(B, T, plan)
+        if kp is None:
+            kp = _default_positions(B, S, plan)
+    args = (q, k, v, qs, ks, qp, kp)
+    specs = tuple(None if x is None else plan.spec(x.ndim) for x in args)
+    if any(t == AxisType.Explicit for t in plan.mesh.axis_types):
+        # Explicit axes: shard_map wants the inputs already laid out as in_specs say.
+        args = tuple(
+            None if x is None else jax.sharding.reshard(x, NamedSharding(plan.mesh, s))
+            for x, s in zip(args, specs, strict=True)
+        )
+    fn = jax.shard_map(
+        functools.partial(_body, plan=plan),
+        mesh=plan.mesh,
+        in_specs=specs,
+        out_specs=(plan.spec(4), plan.spec(3)),
+        check_vma=True,
+    )
+    return fn(*args)
+
+
+def sharded_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K H"],
+    *,
+    mesh: jax.sharding.Mesh,
+    seq_axis: str | tuple[str, str],
+    strategy: str = "ring",
+    layout: str = "contiguous",
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    causal: bool = False,
+    q_segment_ids: Int[Array, "B T"] | None = None,
+    kv_segment_ids: Int[Array, "B S"] | None = None,
+    q_positions: Int[Array, "B T"] | None = None,
+    kv_positions: Int[Array, "B S"] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    block_sizes: BlockSizes | None = None,
+):
+    """Exact attention on global arrays whose sequence is sharded over a mesh axis.
+
+    The inputs are GLOBAL arrays already in ``layout`` order along the sequence (call
+    :func:`ringattn.to_layout` once at the data boundary, :func:`ringattn.from_layout` on the
+    result). The function builds a ``jax.shard_map`` (``check_vma=True``) that shards the
+    batch over ``batch_axis``, the sequence over ``seq_axis`` and the heads (``N`` and ``K``
+    together) over ``head_axis``, and works on meshes with ``Auto`` or ``Explicit`` axes (with
+    Explicit axes, inputs laid out differently are resharded first). Every strategy gives the
+    result of :func:`ringattn.attention_reference` on the un-permuted sequence, forward and
+    gradients.
+
+    Strategies:
+      * ``"ring"``: :func:`ringattn.ring_attention` on each shard (only K/V heads travel).
+      * ``"allgather"``: all-gather K/V, positions and segment ids over ``seq_axis``, then
+        local blockwise attention of the local queries against the whole sequence.
+      * ``"ulysses"``: all-to-all from sequence- to head-sharding, local full-sequence
+        attention, all-to-all back. Query heads per device ``N' = N / size(head_axis)`` must
+        be divisible by the Ulysses degree ``n``. If kv heads ``K'`` are not, each kv head is
+        repeated ``r = n / gcd(K', n)`` times (``K' * r = lcm(K', n)``; copies stay adjacent,
+        so every query head keeps its kv head), at ``r`` times the K/V traffic.
+      * ``"usp"``: ``seq_axis = (ulysses_axis, ring_axis)``: the sequence is sharded over both
+        (ring axis major), Ulysses over the first, ring over the second. ``layout`` is the
+        ring's, over ``size(ring_axis)`` shards.
+
+    Args:
+      q: ``[B, T, N, H]`` global queries in layout order.
+      k: ``[B, S, K, H]`` global keys in layout order; ``N % K == 0``.
+      v: ``[B, S, K, H]`` global values.
+      mesh: the device mesh.
+      seq_axis: mesh axis the sequence is sharded over; for ``"usp"`` a pair
+        ``(ulysses_axis, ring_axis)``.
+      strategy: one of ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"usp"``.
+      layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see :func:`ringattn.to_layout`).
+      batch_axis: mesh axis the batch is sharded over, or None.
+      head_axis: mesh axis the heads are sharded over, or None.
+      causal: a query at position ``p`` sees keys at positions ``<= p``.
+      q_segment_ids: ``[B, T]`` int segment ids (layout order), with ``kv_segment_ids``.
+      kv_segment_ids: ``[B, S]`` int segment ids (layout order).
+      q_positions: ``[B, T]`` int global positions in layout order; default: the positions
+        the layout puts there (``to_layout(arange(T))``).
+      kv_positions: ``[B, S]`` int global positions in layout order; same default.
+      window: sliding window (``>= 1``): hide keys at positions ``<= p - window``.
+      softcap: logits become ``softcap * tanh(logits / softcap)``.
+      scale: logit scale, default ``1 / sqrt(H)``.
+      return_lse: also return the float32 log-sum-exp ``[B, T, N]``.
+      block_sizes: :class:`ringattn.BlockSizes` of the local kernel.
+
+    Returns:
+      ``out [B, T, N, H]`` in ``q.dtype`` and layout order, sharded like ``q``; with
+      ``return_lse`` also ``lse [B, T, N]`` float32. Rows that see no key give zeros.
+
+    Raises:
+      ValueError: on an unknown strategy or layout; an axis name missing from the mesh or used
+        twice; a ``seq_axis`` of the wrong form; inconsistent q/k/v shapes or dtypes; ``T`` or
+        ``S`` not divisible by the number of sequence shards (by twice the layout shards for
+        ``"zigzag"``); batch or heads not divisible by their axis sizes; query heads not
+        divisible by the Ulysses degree; bad segment ids, positions, window, softcap, scale
+        or block sizes.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import AxisType, Mesh
+      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("seq",), axis_types=(AxisType.Auto,))
+      >>> q = jax.random.normal(jax.random.key(0), (1, 64, 4, 16))
+      >>> kv = jax.random.normal(jax.random.key(1), (1, 64, 2, 16))
+      >>> out = sharded_attention(q, kv, kv, mesh=mesh, seq_axis="seq", strategy="allgather",
+      ...                         causal=True)
+      >>> out.shape
+      (1, 64, 4, 16)
+
+    References:
+      Liu et al., "Ring Attention with Blockwise Transformers", 2023; Jacobs et al.,
+      "DeepSpeed Ulysses", 2023; Fang & Zhao, "USP: A Unified Sequence Parallelism Approach",
+      2024; Llama 3 team, "The Llama 3 Herd of Models" (context parallelism), 2024.
+    """
+    if not isinstance(mesh, jax.sharding.Mesh):
+        _fail(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if strategy not in STRATEGIES:
+        _fail(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if layout not in LAYOUTS:
+        _fail(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    B, T, S, N, K, H = check_qkv("sharded_attention", q, k, v)
+
+    ulysses_axis = None
+    if strategy == "usp":
+        if not (isinstance(seq_axis, (tuple, list)) and len(seq_axis) == 2):
+            _fail(f"strategy 'usp' needs seq_axis=(ulysses_axis, ring_axis), got {seq_axis!r}")
+        ulysses_axis, ring_axis = seq_axis
+        n_ulysses = _check_axis(mesh, ulysses_axis, "seq_axis[0] (ulysses axis)")
+        n_ring = _check_axis(mesh, ring_axis, "seq_axis[1] (ring axis)")
+        seq_axis = ring_axis
+    else:
+        if not isinstance(seq_axis, str):
+            _fail(
+                f"strategy {strategy!r} needs seq_axis to be one mesh axis name, got {seq_axis!r}"
+            )
+        n_ring = _check_axis(mesh, seq_axis, "seq_axis")
+        n_ulysses = 1
+    n_batch = 1 if batch_axis is None else _check_axis(mesh, batch_axis, "batch_axis")
+    n_head = 1 if head_axis is None else _check_axis(mesh, head_axis, "head_axis")
+    used = [a for a in (seq_axis, ulysses_axis, batch_axis, head_axis) if a is not None]
+    if len(set(used)) != len(used):
+        _fail(f"seq_axis, batch_axis and head_axis must be distinct mesh axes, got {used}")
+
+    n_seq = n_ring * n_ulysses
+    for name, length in (("T (q)", T), ("S (k/v)", S)):
+        if length % n_seq != 0:
+            _fail(f"sequence length {name}={length} must be divisible by {n_seq} sequence shards")
+        if layout == "zigzag" and length % (2 * n_ring) != 0:
+            _fail(
+                f"layout 'zigzag' needs sequence length {name}={length} divisible by "
+                f"2 x {n_ring} shards = {2 * n_ring}"
+            )
+    if B % n_batch != 0:
+        _fail(f"batch B={B} must be divisible by the size {n_batch} of batch_axis {batch_axis!r}")
+    if N % n_head != 0 or K % n_head != 0:
+        _fail(
+            f"query heads N={N} and kv heads K={K} must both be divisible by the size {n_head} "
+            f"of head_axis {head_axis!r}"
+        )
+    kv_repeat = 1
+    if strategy == "ulysses":
+        kv_repeat = _ulysses_repeat(N // n_head, K // n_head, n_ring, "strategy 'ulysses'")
+    elif strategy == "usp":
+        kv_repeat = _ulysses_repeat(N // n_head, K // n_head, n_ulysses, "strategy 'usp'")
+
+    mask = MaskSpec(causal=bool(causal), window=window, softcap=softcap, scale=scale)
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        _fail(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+    if block_sizes is None and strategy == "allgather" and layout == "zigzag":
+        # The local queries are two chunks far apart: query blocks no longer than a chunk keep
+        # each block's positions narrow, so causal block skipping still works.
+        default = BlockSizes()
+        block_sizes = BlockSizes(block_q=min(default.block_q, T // n_ring // 2))
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        _fail("q_segment_ids and kv_segment_ids must be given together")
+    q_segment_ids = _check_ids("q_segment_ids", q_segment_ids, (B, T))
+    kv_segment_ids = _check_ids("kv_segment_ids", kv_segment_ids, (B, S))
+    q_positions = _check_ids("q_positions", q_positions, (B, T))
+    kv_positions = _check_ids("kv_positions", kv_positions, (B, S))
+
+    plan = _Plan(
+        mesh=mesh,
+        strategy=strategy,
+        layout=layout,
+        seq_axis=seq_axis,
+        ulysses_axis=ulysses_axis,
+        batch_axis=batch_axis,
+        head_axis=head_axis,
+        layout_shards=n_ring,
+        kv_repeat=kv_repeat,
+        mask=mask,
+        block_sizes=block_sizes,
+        return_lse=bool(return_lse),
+    )
+    out, lse = _sharded(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, plan)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,331 @@
+"""sharded_attention: every strategy against the dense reference, forward and gradients."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ringattn import BlockSizes, attention_reference, from_layout, sharded_attention, to_layout
+from tests._util import assert_close, make_test_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    names: tuple[str, ...]
+    seq_axis: str | tuple[str, str]
+    layout: str = "contiguous"
+    causal: bool = False
+    N: int = 4
+    K: int = 2
+    segments: bool = False
+    window: int | None = None
+    dtype: str = "float32"
+    batch_axis: str | None = None
+    head_axis: str | None = None
+    axis_type: AxisType = AxisType.Auto
+    block: int | None = None  # small blocks exercise the kernel's block skipping
+    positions: bool = False  # explicit positions with gaps (2 * arange + 3)
+
+    @property
+    def layout_shards(self) -> int:
+        ring = self.seq_axis[1] if self.strategy == "usp" else self.seq_axis
+        return self.mesh_shape[self.names.index(ring)]
+
+
+# Few compiles, everything covered: each strategy on meshes of 1, 2, 4 and 8 devices, every
+# layout, causal or not, MHA / GQA / MQA, segment ids, windows, float32 and bfloat16, batch and
+# head axes, Auto and Explicit axes, and the Ulysses kv-head repetition (K % n != 0).
+CASES = {
+    "ring-8-zigzag-causal-gqa": Case("ring", (8,), ("s",), "s", "zigzag", causal=True),
+    "ring-2-segments-window-mqa-bf16": Case(
+        "ring",
+        (2,),
+        ("s",),
+        "s",
+        K=1,
+        segments=True,
+        window=9,
+        dtype="bfloat16",
+        block=8,
+        positions=True,
+    ),
+    "allgather-4-striped-causal-window-segments-mha": Case(
+        "allgather",
+        (4,),
+        ("s",),
+        "s",
+        "striped",
+        causal=True,
+        K=4,
+        segments=True,
+        window=7,
+        positions=True,
+    ),
+    "allgather-1-zigzag-causal-bf16": Case(
+        "allgather", (1,), ("s",), "s", "zigzag", causal=True, dtype="bfloat16"
+    ),
+    "ulysses-2-zigzag-segments-bf16": Case(
+        "ulysses", (2,), ("s",), "s", "zigzag", segments=True, dtype="bfloat16"
+    ),
+    "ulysses-4-striped-causal-window-repeat": Case(
+        "ulysses", (4,), ("s",), "s", "striped", causal=True, window=5, block=8, positions=True
+    ),
+    "usp-2x2-zigzag-causal": Case("usp", (2, 2), ("u", "r"), ("u", "r"), "zigzag", causal=True),
+    "usp-2x4-striped-segments-window-bf16": Case(
+        "usp",
+        (2, 4),
+        ("u", "r"),
+        ("u", "r"),
+        "striped",
+        segments=True,
+        window=9,
+        dtype="bfloat16",
+        positions=True,
+    ),
+    "allgather-seq-model": Case(
+        "allgather", (4, 2), ("seq", "model"), "seq", "striped", causal=True, head_axis="model"
+    ),
+    "ring-explicit-data-seq": Case(
+        "ring",
+        (2, 4),
+        ("data", "seq"),
+        "seq",
+        "zigzag",
+        causal=True,
+        batch_axis="data",
+        axis_type=AxisType.Explicit,
+    ),
+    "ulysses-explicit-seq-model-repeat": Case(
+        "ulysses",
+        (4, 2),
+        ("seq", "model"),
+        "seq",
+        "zigzag",
+        causal=True,
+        N=8,
+        K=2,
+        head_axis="model",
+        axis_type=AxisType.Explicit,
+    ),
+}
+
+B, T, H = 2, 32, 8
+
+
+def make_inputs(N, K, segments, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal((B, T, heads, H), np.float32)) for heads in (N, K, K)
+    )
+    seg = None
+    if segments:  # packed documents with different boundaries per row
+        bounds = np.array([[9, 20], [3, 27]])
+        seg = jnp.asarray(
+            np.sum(np.arange(T)[None, :, None] >= bounds[:, None, :], axis=-1), jnp.int32
+        )
+    cast = lambda x: x.astype(jnp.dtype(dtype))
+    return cast(q), cast(k), cast(v), seg
+
+
+def make_positions(c: Case):
+    return jnp.broadcast_to(2 * jnp.arange(T, dtype=jnp.int32) + 3, (B, T)) if c.positions else None
+
+
+def run_case(c: Case, q, k, v, seg):
+    """Forward (out, lse) and gradients of the sharded path, in the un-permuted order."""
+    mesh = make_test_mesh(c.mesh_shape, c.names, axis_type=c.axis_type)
+    n = c.layout_shards
+    perm = lambda x: None if x is None else to_layout(x, c.layout, num_shards=n)
+    unperm = lambda x: from_layout(x, c.layout, num_shards=n)
+    block_sizes = None if c.block is None else BlockSizes(c.block, c.block)
+
+    def f(q, k, v):
+        out, lse = sharded_attention(
+            perm(q),
+            perm(k),
+            perm(v),
+            mesh=mesh,
+            seq_axis=c.seq_axis,
+            strategy=c.strategy,
+            layout=c.layout,
+            batch_axis=c.batch_axis,
+            head_axis=c.head_axis,
+            causal=c.causal,
+            q_segment_ids=perm(seg),
+            kv_segment_ids=perm(seg),
+            q_positions=perm(make_positions(c)),
+            kv_positions=perm(make_positions(c)),
+            window=c.window,
+            return_lse=True,
+            block_sizes=block_sizes,
+        )
+        return unperm(out), unperm(lse)
+
+    return jax.jit(forward_and_grads(f))(q, k, v)
+
+
+def forward_and_grads(f):
+    def run(q, k, v):
+        (out, lse), vjp = jax.vjp(f, q, k, v)
+        # cotangents on out and lse: the lse path of the backward is checked too
+        dout = jnp.cos(out.astype(jnp.float32)).astype(out.dtype)
+        return out, lse, vjp((dout, 0.1 * jnp.sin(lse)))
+
+    return run
+
+
+def reference(c: Case, q, k, v, seg):
+    f32 = lambda x: x.astype(jnp.float32)
+
+    def f(q, k, v):
+        return attention_reference(
+            q,
+            k,
+            v,
+            causal=c.causal,
+            q_segment_ids=seg,
+            kv_segment_ids=seg,
+            q_positions=make_positions(c),
+            kv_positions=make_positions(c),
+            window=c.window,
+            return_lse=True,
+        )
+
+    return jax.jit(forward_and_grads(f))(f32(q), f32(k), f32(v))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name):
+    c = CASES[name]
+    q, k, v, seg = make_inputs(c.N, c.K, c.segments, c.dtype)
+    out, lse, grads = run_case(c, q, k, v, seg)
+    ref_out, ref_lse, ref_grads = reference(c, q, k, v, seg)
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    assert_close(out, ref_out, dtype=c.dtype, what=f"{name} out")
+    assert_close(lse, ref_lse, dtype=c.dtype, what=f"{name} lse")
+    for g_name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert g.dtype == q.dtype
+        assert_close(g, r, dtype=c.dtype, grad=True, what=f"{name} d{g_name}")
+
+
+def test_explicit_mesh_eager_with_other_sharding():
+    """Explicit axes: eager call on inputs sharded along the wrong axis, and uncommitted."""
+    mesh = make_test_mesh((2, 4), ("data", "seq"), axis_type=AxisType.Explicit)
+    q, k, v, _ = make_inputs(4, 2, False, "float32", seed=1)
+    wrong = NamedSharding(mesh, P(None, None, None, "seq"))  # head dim on the sequence axis
+    qs, ks, vs = (jax.device_put(x, wrong) for x in (q, k, v))
+    ref = attention_reference(q, k, v, causal=True)
+    out = sharded_attention(
+        qs, ks, vs, mesh=mesh, seq_axis="seq", strategy="allgather", causal=True
+    )
+    assert out.sharding.spec == P(None, "seq", None, None)
+    assert_close(out, ref, dtype=jnp.float32, what="explicit eager, resharded")
+    out = sharded_attention(q, k, v, mesh=mesh, seq_axis="seq", batch_axis="data", causal=True)
+    assert out.sharding.spec == P("data", "seq", None, None)
+    assert_close(out, ref, dtype=jnp.float32, what="explicit eager uncommitted")
+
+
+def _lowered_text(strategy):
+    mesh = make_test_mesh((4,), ("s",))
+    q, k, v, _ = make_inputs(4, 2, False, "float32")
+    f = lambda q, k, v: sharded_attention(
+        q, k, v, mesh=mesh, seq_axis="s", strategy=strategy, causal=True
+    )
+    return jax.jit(f).lower(q, k, v).as_text()
+
+
+def test_allgather_structure():
+    text = _lowered_text("allgather")
+    assert "all_gather" in text
+    assert "collective_permute" not in text
+    assert "all_to_all" not in text
+
+
+def test_ulysses_structure():
+    text = _lowered_text("ulysses")
+    assert "all_to_all" in text
+    assert "collective_permute" not in text
+
+
+# ---- errors ----
+
+
+def _call(q=None, k=None, v=None, **kw):
+    q0, k0, v0, _ = make_inputs(4, 2, False, "float32")
+    kw.setdefault("mesh", make_test_mesh((4,), ("s",)))
+    kw.setdefault("seq_axis", "s")
+    return sharded_attention(
+        q0 if q is None else q, k0 if k is None else k, v0 if v is None else v, **kw
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(strategy="tree"), "unknown strategy 'tree'"),
+        (dict(layout="spiral"), "unknown layout 'spiral'"),
+        (dict(seq_axis="x"), "'x' is not an axis of the mesh"),
+        (dict(batch_axis="data"), "batch_axis 'data' is not an axis"),
+        (dict(head_axis="s"), "must be distinct mesh axes"),
+        (dict(mesh="not a mesh"), "mesh must be a jax.sharding.Mesh"),
+        (dict(strategy="usp"), r"needs seq_axis=\(ulysses_axis, ring_axis\)"),
+        (dict(seq_axis=("s",)), "needs seq_axis to be one mesh axis name"),
+        (dict(block_sizes=(8, 8)), "block_sizes must be a BlockSizes"),
+        (dict(window=0), "window: expected a positive int"),
+        (dict(q_segment_ids=jnp.zeros((B, T), jnp.int32)), "must be given together"),
+        (
+            dict(q_positions=jnp.zeros((B, T - 1), jnp.int32)),
+            r"q_positions must have shape \(2, 32\)",
+        ),
+        (
+            dict(
+                q_segment_ids=jnp.zeros((B, T), jnp.float32),
+                kv_segment_ids=jnp.zeros((B, T), jnp.int32),
+            ),
+            "q_segment_ids must be an integer array",
+        ),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _call(**kwargs)
+
+
+def test_bad_shapes():
+    q, k, v, _ = make_inputs(4, 2, False, "float32")
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        _call(v=v[:, :16])
+    with pytest.raises(ValueError, match="must be a multiple of kv heads"):
+        _call(k=k[:, :, :1].repeat(3, axis=2), v=v[:, :, :1].repeat(3, axis=2))
+    with pytest.raises(ValueError, match=r"T \(q\)=30 must be divisible by 4 sequence shards"):
+        _call(q=q[:, :30])
+    with pytest.raises(ValueError, match=r"'zigzag' needs sequence length S \(k/v\)=12"):
+        _call(k=k[:, :12], v=v[:, :12], layout="zigzag")
+    mesh = make_test_mesh((2, 4), ("data", "seq"))
+    with pytest.raises(ValueError, match="batch B=3 must be divisible by the size 2"):
+        _call(
+            q=q[:1].repeat(3, 0),
+            k=k[:1].repeat(3, 0),
+            v=v[:1].repeat(3, 0),
+            mesh=mesh,
+            seq_axis="seq",
+            batch_axis="data",
+        )
+    mesh = make_test_mesh((2, 4), ("seq", "model"))
+    with pytest.raises(ValueError, match="kv heads K=2 must both be divisible by the size 4"):
+        _call(mesh=mesh, seq_axis="seq", head_axis="model")
+
+
+def test_ulysses_heads_not_divisible():
+    mesh = make_test_mesh((8,), ("s",))
+    with pytest.raises(ValueError, match="N=4 must be divisible by the Ulysses degree 8"):
+        _call(mesh=mesh, strategy="ulysses")
+    mesh = make_test_mesh((8, 1), ("u", "r"))
+    with pytest.raises(ValueError, match="'usp': query heads per device N=4"):
+        _call(mesh=mesh, seq_axis=("u", "r"), strategy="usp")
