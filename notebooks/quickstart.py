@@ -299,6 +299,7 @@ assert err_exact < 1e-5
 # ## Summary
 
 # %%
+print("Summary")
 summary = {
     "blockwise forward error": err_fwd,
     "blockwise gradient error": err_grad,

@@ -41,4 +41,4 @@ def test_notebook_runs(source, tmp_path):
     assert proc.returncode == 0, (
         f"{source.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
-    assert "Summary" in proc.stdout or "summary" in proc.stdout
+    assert "Summary" in proc.stdout, proc.stdout[-2000:]
