@@ -1,12 +1,18 @@
 """Memory-linear exact attention: an online softmax over blocks, with skipped masked blocks.
 
-The kernels here work on a heads-major layout, ``q [B, K, G, T, H]`` and ``k, v [B, K, S, H]``,
-so each block product is one batched matmul over ``(B, K)`` with the ``G`` query heads of a
-group stacked as rows. Every ``(query block, key block)`` pair is classified from per-block
-position and segment ranges as *empty* (skipped: no compute), *full* (no mask needed) or
-*partial* (masked elementwise). The classification is dynamic, so it also skips work for
-arbitrary positions: a ring hop whose block lies in the causal future, a zigzag layout, a
-sliding window, packed documents.
+The kernels read queries as ``q [B, T, K, G, H]`` (a free reshape of ``[B, T, N, H]``, so no
+transposed copy of the queries or of the output cotangent is made) and keys and values
+heads-major, ``k, v [B, K, S, H]``; each query block is transposed to ``[B, K, G, bq, H]`` on
+the fly, so each block product is one batched matmul over ``(B, K)`` with the ``G`` query
+heads of a group stacked as rows. Results accumulate in place in preallocated float32 arrays
+(``dynamic_update_slice`` in a loop), and the ``update_*`` kernels fold further key sets (ring
+hops) into the same accumulators.
+
+Every ``(query block, key block)`` pair is classified from per-block position and segment
+ranges as *empty* (skipped: no compute), *full* (no mask needed) or *partial* (masked
+elementwise). The classification is dynamic, so it also skips work for arbitrary positions: a
+ring hop whose block lies in the causal future, a zigzag layout, a sliding window, packed
+documents.
 
 The backward pass recomputes each block's probabilities from ``(q, k, v, lse)``
 (FlashAttention-2), so memory stays linear in ``T + S`` for training.
@@ -194,31 +200,50 @@ def cast_varying(tree, axes: frozenset):
     return jax.tree.map(one, tree)
 
 
-def forward_heads_major(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig):
-    """Blockwise forward on padded heads-major arrays.
+def _q_block(x, i, size: int):
+    """Query block ``i`` of ``x [B, Tp, K, G, ...]``, transposed to ``[B, K, G, size, ...]``."""
+    return jnp.moveaxis(_slice(x, i * size, size, 1), 1, 3)
+
+
+def init_forward_state(qg) -> OnlineSoftmax:
+    """An empty float32 online-softmax state for ``qg [B, Tp, K, G, H]``, varying like ``qg``.
+
+    Fields (heads-major): ``acc [B, K, G, Tp, H]``, ``m`` and ``l`` ``[B, K, G, Tp]``.
+    """
+    B, Tp, K, G, H = qg.shape
+    state = init_online_softmax((B, K, G, Tp), H)
+    return cast_varying(state, varying_axes(qg))
+
+
+def update_forward_heads_major(
+    state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig
+) -> OnlineSoftmax:
+    """Folds one key/value set into a running online-softmax state, block by block, in place.
 
     Args:
-      qh: ``[B, K, G, Tp, H]``; ``Tp % cfg.block_q == 0``.
+      state: from :func:`init_forward_state` or a previous update (earlier key sets).
+      qg: ``[B, Tp, K, G, H]`` queries in row-major order (a free reshape of ``[B, T, N, H]``,
+        so no transposed copy of the queries is made); ``Tp % cfg.block_q == 0``.
       kh, vh: ``[B, K, Sp, H]``; ``Sp % cfg.block_kv == 0``.
       q_pos, q_seg: ``[B, Tp]`` int32 (``q_seg`` may be None).
       kv_pos, kv_seg: ``[B, Sp]`` int32 (``kv_seg`` may be None).
 
     Returns:
-      ``out [B, K, G, Tp, H]`` float32 and ``lse [B, K, G, Tp]`` float32.
+      The state over all key sets so far. Each query block's rows are read, updated over the
+      key blocks and written back with ``dynamic_update_slice`` (no stacked per-block output).
     """
-    B, K, G, Tp, H = qh.shape
+    B, Tp, K, G, H = qg.shape
     Sp = kh.shape[2]
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, Sp // bk
     summ = _Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk)
-    axes = varying_axes(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg)
 
-    def q_block(i):
-        q_blk = _slice(qh, i * bq, bq, 3)  # [B, K, G, bq, H]
+    def q_block(i, state: OnlineSoftmax):
+        q_blk = _q_block(qg, i, bq)  # [B, K, G, bq, H]
         qp = _slice(q_pos, i * bq, bq, 1)
         qs = None if q_seg is None else _slice(q_seg, i * bq, bq, 1)
 
-        def visit(j, state: OnlineSoftmax, masked: bool):
+        def visit(j, st: OnlineSoftmax, masked: bool):
             k_blk = _slice(kh, j * bk, bk, 2)  # [B, K, bk, H]
             v_blk = _slice(vh, j * bk, bk, 2)
             s, _ = _logits(cfg, q_blk, k_blk)
@@ -227,60 +252,87 @@ def forward_heads_major(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelCon
                 ks = None if kv_seg is None else _slice(kv_seg, j * bk, bk, 1)
                 s = _apply_mask(s, _block_mask(cfg, qp, kp, qs, ks, j * bk))
             s = s.reshape(B, K, G * bq, bk)
-            return update_online_softmax(state, s, v_blk)
+            return update_online_softmax(st, s, v_blk)
 
-        def step(j, state):
+        def step(j, st):
             return lax.switch(
                 summ.kind(cfg, i, j),
                 [lambda st: st, lambda st: visit(j, st, False), lambda st: visit(j, st, True)],
-                state,
+                st,
             )
 
-        state = cast_varying(init_online_softmax((B, K, G * bq), H), axes)
-        state = lax.fori_loop(0, nk, step, state)
-        out, lse = finalize_online_softmax(state)
-        return out.reshape(B, K, G, bq, H), lse.reshape(B, K, G, bq)
+        block = OnlineSoftmax(
+            acc=_slice(state.acc, i * bq, bq, 3).reshape(B, K, G * bq, H),
+            m=_slice(state.m, i * bq, bq, 3).reshape(B, K, G * bq),
+            l=_slice(state.l, i * bq, bq, 3).reshape(B, K, G * bq),
+        )
+        block = lax.fori_loop(0, nk, step, block)
+        return OnlineSoftmax(
+            acc=lax.dynamic_update_slice_in_dim(
+                state.acc, block.acc.reshape(B, K, G, bq, H), i * bq, 3
+            ),
+            m=lax.dynamic_update_slice_in_dim(state.m, block.m.reshape(B, K, G, bq), i * bq, 3),
+            l=lax.dynamic_update_slice_in_dim(state.l, block.l.reshape(B, K, G, bq), i * bq, 3),
+        )
 
-    out, lse = lax.map(q_block, jnp.arange(nq))  # [nq, B, K, G, bq, (H)]
-    out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, Tp, H)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, Tp)
-    return out, lse
+    axes = varying_axes(state.acc, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg)
+    return lax.fori_loop(0, nq, q_block, cast_varying(state, axes))
 
 
-def backward_heads_major(
-    qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, cfg: KernelConfig
-):
-    """Blockwise backward on padded heads-major arrays.
+def forward_heads_major(qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig):
+    """Blockwise forward on padded arrays (heads-major keys, values and results).
 
     Args:
-      qh, kh, vh, positions, segments: as in :func:`forward_heads_major`.
+      qg, kh, vh, positions, segments: as in :func:`update_forward_heads_major`.
+
+    Returns:
+      ``out [B, K, G, Tp, H]`` float32 and ``lse [B, K, G, Tp]`` float32.
+    """
+    state = update_forward_heads_major(
+        init_forward_state(qg), qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg
+    )
+    return finalize_online_softmax(state)
+
+
+def update_backward_heads_major(
+    dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, cfg: KernelConfig
+):
+    """Adds one key set's blockwise gradients to float32 accumulators, in place.
+
+    Args:
+      dq: ``[B, K, G, Tp, H]`` float32 accumulator of the query gradient.
+      dkv: ``[B, K, Sp, 2H]`` float32 accumulator of ``concat([dk, dv], -1)`` for this key set.
+      qg, kh, vh, positions, segments: as in :func:`update_forward_heads_major`.
       lse: ``[B, K, G, Tp]`` float32 log-sum-exp of the *complete* attention the gradient is
         for (for a ring hop, the global one): probabilities are ``exp(s - lse)``.
-      dout: ``[B, K, G, Tp, H]`` cotangent of the normalised output.
+      dout: ``[B, Tp, K, G, H]`` cotangent of the normalised output (row-major, like ``qg``).
       delta: ``[B, K, G, Tp]`` float32 ``sum(dout * out, -1) - dlse``.
 
     Returns:
-      ``dq [B, K, G, Tp, H]``, ``dk, dv [B, K, Sp, H]``, all float32, for the key block given.
+      ``(dq, dkv)`` with this key set's contributions added.
     """
-    B, K, G, Tp, H = qh.shape
+    B, Tp, K, G, H = qg.shape
     Sp = kh.shape[2]
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, Sp // bk
     summ = _Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk)
-    axes = varying_axes(qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta)
+    axes = varying_axes(dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta)
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
     softcap = cfg.mask.softcap
+    zero_dq_blk = cast_varying(jnp.zeros((B, K, G, bq, H), jnp.float32), axes)
 
-    def kv_block(dq, j):
+    def kv_block(j, carry):
+        dq, dkv = carry
         k_blk = _slice(kh, j * bk, bk, 2)  # [B, K, bk, H]
         v_blk = _slice(vh, j * bk, bk, 2)
         kp = _slice(kv_pos, j * bk, bk, 1)
         ks = None if kv_seg is None else _slice(kv_seg, j * bk, bk, 1)
+        dkv_blk = _slice(dkv, j * bk, bk, 2)  # [B, K, bk, 2H]
 
         def visit(i, carry, masked: bool):
-            dq, dk, dv = carry
-            q_blk = _slice(qh, i * bq, bq, 3)  # [B, K, G, bq, H]
-            do_blk = _slice(dout, i * bq, bq, 3)
+            dk, dv = carry
+            q_blk = _q_block(qg, i, bq)  # [B, K, G, bq, H]
+            do_blk = _q_block(dout, i, bq)
             s, t = _logits(cfg, q_blk, k_blk)  # [B, K, G, bq, bk]
             if masked:
                 qp = _slice(q_pos, i * bq, bq, 1)
@@ -304,34 +356,66 @@ def backward_heads_major(
                 k_blk,
                 preferred_element_type=jnp.float32,
             )
-            dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 3) + dq_blk, i * bq, 3)
             dk = dk + jnp.einsum(
                 "bkgqs,bkgqh->bksh",
                 ds.astype(q_blk.dtype),
                 q_blk,
                 preferred_element_type=jnp.float32,
             )
-            return dq, dk, dv
+            return dq_blk, dk, dv
 
         def step(i, carry):
-            return lax.switch(
+            # Only block-sized values pass through the switch: a conditional that carried the
+            # whole dq accumulator would copy it on every block pair (quadratic traffic).
+            dq, dk, dv = carry
+            dq_blk, dk, dv = lax.switch(
                 summ.kind(cfg, i, j),
-                [lambda c: c, lambda c: visit(i, c, False), lambda c: visit(i, c, True)],
-                carry,
+                [
+                    lambda c: (zero_dq_blk, *c),
+                    lambda c: visit(i, c, False),
+                    lambda c: visit(i, c, True),
+                ],
+                (dk, dv),
             )
+            dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 3) + dq_blk, i * bq, 3)
+            return dq, dk, dv
 
-        zeros = cast_varying(jnp.zeros((B, K, bk, H), jnp.float32), axes)
-        dq, dk, dv = lax.fori_loop(0, nq, step, (dq, zeros, zeros))
-        return dq, (dk, dv)
+        dq, dk, dv = lax.fori_loop(0, nq, step, (dq, dkv_blk[..., :H], dkv_blk[..., H:]))
+        dkv = lax.dynamic_update_slice_in_dim(dkv, jnp.concatenate([dk, dv], -1), j * bk, 2)
+        return dq, dkv
 
-    dq0 = cast_varying(jnp.zeros((B, K, G, Tp, H), jnp.float32), axes)
-    dq, (dk, dv) = lax.scan(kv_block, dq0, jnp.arange(nk))  # dk: [nk, B, K, bk, H]
-    dk = jnp.moveaxis(dk, 0, 2).reshape(B, K, Sp, H)
-    dv = jnp.moveaxis(dv, 0, 2).reshape(B, K, Sp, H)
-    return dq, dk, dv
+    return lax.fori_loop(0, nk, kv_block, cast_varying((dq, dkv), axes))
+
+
+def backward_heads_major(
+    qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, cfg: KernelConfig
+):
+    """Blockwise backward on padded arrays (row-major queries, heads-major the rest).
+
+    Args:
+      As in :func:`update_backward_heads_major`, without the accumulators.
+
+    Returns:
+      ``dq [B, K, G, Tp, H]``, ``dk, dv [B, K, Sp, H]``, all float32, for the key block given.
+    """
+    B, Tp, K, G, H = qg.shape
+    Sp = kh.shape[2]
+    dq = jnp.zeros((B, K, G, Tp, H), jnp.float32)
+    dkv = jnp.zeros((B, K, Sp, 2 * H), jnp.float32)
+    dq, dkv = update_backward_heads_major(
+        dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, cfg
+    )
+    return dq, dkv[..., :H], dkv[..., H:]
 
 
 # ---- canonical-layout wrappers ([B, T, N, H]) used by blockwise_attention and the ring ----
+
+
+def q_to_groups(x, K: int, length: int):
+    """``[B, T, N, ...]`` → ``[B, Tp, K, G, ...]`` zero-padded to ``length`` (a reshape)."""
+    B, T, N = x.shape[:3]
+    x = _pad_axis(x, 1, length)
+    return x.reshape(B, length, K, N // K, *x.shape[3:])
 
 
 def q_to_heads_major(x, K: int, length: int):
@@ -382,7 +466,7 @@ def attention_forward(
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(mask, H, T, S, block_sizes.block_q, block_sizes.block_kv)
     out, lse = forward_heads_major(
-        q_to_heads_major(q, K, Tp),
+        q_to_groups(q, K, Tp),
         kv_to_heads_major(k, Sp),
         kv_to_heads_major(v, Sp),
         pad_ids(q_pos, Tp),
@@ -425,7 +509,7 @@ def attention_backward(
     bq, bk = block_sizes.backward
     cfg, Tp, Sp = make_kernel_config(mask, H, T, S, bq, bk)
     dq, dk, dv = backward_heads_major(
-        q_to_heads_major(q, K, Tp),
+        q_to_groups(q, K, Tp),
         kv_to_heads_major(k, Sp),
         kv_to_heads_major(v, Sp),
         pad_ids(q_pos, Tp),
@@ -433,7 +517,7 @@ def attention_backward(
         pad_ids(q_seg, Tp),
         pad_ids(kv_seg, Sp),
         q_to_heads_major(lse, K, Tp),
-        q_to_heads_major(dout, K, Tp),
+        q_to_groups(dout, K, Tp),
         q_to_heads_major(delta, K, Tp),
         cfg,
     )

@@ -5,13 +5,14 @@ Called per shard inside ``jax.shard_map``. Each device keeps its queries; the ke
 ``perm = [(i, (i + 1) % n)]``, so after ``t`` hops device ``i`` holds block ``(i - t) % n``.
 Every hop runs the blockwise kernel of :mod:`ringattn._blockwise`, whose dynamic block
 classification skips key blocks that the mask hides (a causal-future hop, a sliding window,
-other documents), and the partial ``(out, lse)`` of each hop is merged in float32.
+other documents), folding the hop's keys into one running float32 online-softmax state.
 
 * Exactly ``n - 1`` hops (no final rotation back), one ``collective-permute`` per hop: the
   block's keys, values and ids are packed into one byte buffer, and only the ``K`` key/value
   heads travel (GQA, MQA).
 * The next hop's send is issued before the current hop's compute, so on GPU/TPU the
-  transfer can overlap it (on CPU ``ppermute`` is synchronous).
+  transfer can overlap it (on CPU ``ppermute`` is synchronous). The middle hops run in one
+  ``fori_loop``, so only the current and the incoming block are live at any ring size.
 * The backward pass is a ``custom_vjp``: key blocks travel the ring again, together with
   their float32 ``dK``/``dV`` accumulators, which a last shift sends home. Memory stays
   linear in the local shard.
@@ -35,20 +36,22 @@ from jaxtyping import Array, Float, Int
 from ringattn._blockwise import (
     BlockSizes,
     attention_delta,
-    backward_heads_major,
     cast_varying,
-    forward_heads_major,
+    init_forward_state,
     kv_from_heads_major,
     kv_to_heads_major,
     make_kernel_config,
     pad_ids,
     q_from_heads_major,
+    q_to_groups,
     q_to_heads_major,
+    update_backward_heads_major,
+    update_forward_heads_major,
     varying_axes,
 )
 from ringattn._layout import LAYOUTS, shard_positions
 from ringattn._mask import MaskSpec, check_qkv, normalize_mask_inputs
-from ringattn._online_softmax import merge_attention
+from ringattn._online_softmax import finalize_online_softmax
 
 __all__ = ["ring_attention"]
 
@@ -98,24 +101,54 @@ def _unpack(buffer, spec):
     return tuple(out)
 
 
+def _run_hops(plan: _RingPlan, block, carry, compute):
+    """Runs ``compute`` on the local block and ``plan.hops`` received ones.
+
+    ``compute(block, carry, arriving) -> (carry, leaving)``, where ``block`` is
+    ``(kh, vh, kv_pos, kv_seg)``; ``leaving`` (or None) is sent to the next device together
+    with the block and comes back as the next hop's ``arriving`` (None at the local hop).
+    Hop 0 and the last hop are peeled; hops ``1 .. hops - 1`` run in one ``fori_loop`` whose
+    body issues the next transfer before its compute, so only the current and the incoming
+    block (and ``leaving``) are live, whatever the ring size. Returns
+    ``(carry, leaving of the last hop)``.
+    """
+    if not plan.hops:
+        return compute(block, carry, None)
+    buffer, spec = _pack(block)
+    # Issue the first transfer before the local hop's compute (double buffering).
+    incoming = _shift(buffer, plan, 1)
+    carry, leaving = compute(block, carry, None)
+    arriving = None if leaving is None else _shift(leaving, plan, 1)
+
+    def body(_, loop_carry):
+        buffer, carry, arriving = loop_carry
+        incoming = _shift(buffer, plan, 1)
+        carry, leaving = compute(_unpack(buffer, spec), carry, arriving)
+        arriving = None if leaving is None else _shift(leaving, plan, 1)
+        return incoming, carry, arriving
+
+    if plan.hops > 1:
+        incoming, carry, arriving = lax.fori_loop(1, plan.hops, body, (incoming, carry, arriving))
+    return compute(_unpack(incoming, spec), carry, arriving)
+
+
 def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan: _RingPlan):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     sizes = plan.block_sizes
     cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, sizes.block_q, sizes.block_kv)
-    qh, qp, qs = q_to_heads_major(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
+    qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
     block = (kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp))
     block += (pad_ids(kv_pos, Sp), pad_ids(kv_seg, Sp))
-    buffer, spec = _pack(block) if plan.hops else (None, None)
-    out = lse = None
-    for hop in range(plan.hops + 1):
-        # Issue the next hop's transfer before this hop's compute (double buffering).
-        incoming = _shift(buffer, plan, 1) if hop < plan.hops else None
-        if hop > 0:
-            block = _unpack(buffer, spec)
-        o, l = forward_heads_major(qh, *block[:2], qp, block[2], qs, block[3], cfg)
-        out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
-        buffer = incoming
+
+    def compute(block, state, arriving):
+        kh, vh, kp, ks = block
+        return update_forward_heads_major(state, qg, kh, vh, qp, kp, qs, ks, cfg), None
+
+    # Every hop folds into one float32 online-softmax state: no per-hop (out, lse) to merge.
+    state = cast_varying(init_forward_state(qg), varying_axes(qg, *block))
+    state, _ = _run_hops(plan, block, state, compute)
+    out, lse = finalize_online_softmax(state)
     return q_from_heads_major(out, T).astype(q.dtype), q_from_heads_major(lse, T)
 
 
@@ -136,27 +169,25 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
     S, K = k.shape[1], k.shape[2]
     bq, bk = plan.block_sizes.backward
     cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, bq, bk)
-    qh, qp, qs = q_to_heads_major(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
+    qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
     lse_h = q_to_heads_major(lse, K, Tp)  # [B, K, G, Tp]
-    dout_h = q_to_heads_major(dout, K, Tp)  # [B, K, G, Tp, H]
+    dout_g = q_to_groups(dout, K, Tp)  # [B, Tp, K, G, H]
     delta_h = q_to_heads_major(attention_delta(out, dout, dlse), K, Tp)
     block = (kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp))
     block += (pad_ids(kv_pos, Sp), pad_ids(kv_seg, Sp))
-    buffer, spec = _pack(block) if plan.hops else (None, None)
-    dq = dkv = arriving = None
-    for hop in range(plan.hops + 1):
-        incoming = _shift(buffer, plan, 1) if hop < plan.hops else None
-        if hop > 0:
-            block = _unpack(buffer, spec)
-        dq_hop, dk_hop, dv_hop = backward_heads_major(
-            qh, *block[:2], qp, block[2], qs, block[3], lse_h, dout_h, delta_h, cfg
-        )
-        dq = dq_hop if dq is None else dq + dq_hop
+    axes = varying_axes(qg, lse_h, dout_g, delta_h, *block)
+
+    def compute(block, dq, arriving):
+        kh, vh, kp, ks = block
         # dK/dV of the block held at this hop: [B, K, Sp, 2H] float32, travelling with it.
-        dkv = jnp.concatenate([dk_hop, dv_hop], axis=-1)
-        dkv = dkv if arriving is None else arriving + dkv
-        arriving = _shift(dkv, plan, 1) if hop < plan.hops else None
-        buffer = incoming
+        dkv = cast_varying(jnp.zeros((B, K, Sp, 2 * H), jnp.float32), axes)
+        dkv = dkv if arriving is None else arriving
+        return update_backward_heads_major(
+            dq, dkv, qg, kh, vh, qp, kp, qs, ks, lse_h, dout_g, delta_h, cfg
+        )
+
+    dq = cast_varying(jnp.zeros((B, K, N // K, Tp, H), jnp.float32), axes)
+    dq, dkv = _run_hops(plan, block, dq, compute)
     if plan.hops:
         dkv = _shift(dkv, plan, -plan.hops)  # block (i - hops)'s gradients go home
     dk = kv_from_heads_major(dkv[..., :H], S)
