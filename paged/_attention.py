@@ -147,6 +147,18 @@ def _varying_like(tree, *refs):
     return jax.tree.map(cast, tree)
 
 
+def _kernel_options(H, scale, causal, window, softcap, pages_per_block, M, page_mass) -> tuple:
+    """The hashable static options of the page-walking kernels."""
+    return (
+        float(scale) if scale is not None else 1.0 / float(np.sqrt(H)),
+        bool(causal),
+        None if window is None else int(window),
+        None if softcap is None else float(softcap),
+        min(int(pages_per_block), M),
+        bool(page_mass),
+    )
+
+
 def _pad_table(page_table, pages_per_block: int):
     """Pads ``[B, M]`` with null-page columns to a multiple of ``pages_per_block``."""
     M = page_table.shape[1]
@@ -344,14 +356,8 @@ def paged_attention(
             raise ValueError(
                 f"{fn}: q_positions must have shape {(B, T)}, got {_describe(q_positions)}"
             )
-    scale = float(scale) if scale is not None else 1.0 / float(np.sqrt(H))
-    opts = (
-        scale,
-        bool(causal),
-        None if window is None else int(window),
-        None if softcap is None else float(softcap),
-        min(int(pages_per_block), page_table.shape[1]),
-        bool(return_page_mass),
+    opts = _kernel_options(
+        H, scale, causal, window, softcap, pages_per_block, page_table.shape[1], return_page_mass
     )
     out, lse, mass = _paged_attention_impl(
         q, k_pages, v_pages, page_table, lengths, q_positions.astype(jnp.int32), opts=opts
@@ -494,14 +500,8 @@ def ragged_paged_attention(
         raise ValueError(
             f"{fn}: queries_per_block must be a positive int, got {queries_per_block!r}"
         )
-    scale = float(scale) if scale is not None else 1.0 / float(np.sqrt(H))
-    opts = (
-        scale,
-        bool(causal),
-        None if window is None else int(window),
-        None if softcap is None else float(softcap),
-        min(int(pages_per_block), page_table.shape[1]),
-        False,
+    opts = _kernel_options(
+        H, scale, causal, window, softcap, pages_per_block, page_table.shape[1], False
     )
     out, lse = _ragged_impl(
         q,

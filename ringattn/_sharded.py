@@ -109,12 +109,10 @@ def _permuted(x, plan: _Plan, axis: int = 1):
     return to_layout(x, plan.layout, num_shards=plan.layout_shards, axis=axis)
 
 
-def _attend_local(q, k, v, qs, ks, qp, kp, plan: _Plan):
+def _mask_kwargs(qs, ks, qp, kp, plan: _Plan) -> dict:
+    """The options every local attention call of a plan shares."""
     m = plan.mask
-    return blockwise_attention(
-        q,
-        k,
-        v,
+    return dict(
         causal=m.causal,
         q_segment_ids=qs,
         kv_segment_ids=ks,
@@ -128,24 +126,13 @@ def _attend_local(q, k, v, qs, ks, qp, kp, plan: _Plan):
     )
 
 
+def _attend_local(q, k, v, qs, ks, qp, kp, plan: _Plan):
+    return blockwise_attention(q, k, v, **_mask_kwargs(qs, ks, qp, kp, plan))
+
+
 def _attend_ring(q, k, v, qs, ks, qp, kp, plan: _Plan):
-    m = plan.mask
     return ring_attention(
-        q,
-        k,
-        v,
-        axis_name=plan.seq_axis,
-        causal=m.causal,
-        layout=plan.layout,
-        q_segment_ids=qs,
-        kv_segment_ids=ks,
-        q_positions=qp,
-        kv_positions=kp,
-        window=m.window,
-        softcap=m.softcap,
-        scale=m.scale,
-        return_lse=True,
-        block_sizes=plan.block_sizes,
+        q, k, v, axis_name=plan.seq_axis, layout=plan.layout, **_mask_kwargs(qs, ks, qp, kp, plan)
     )
 
 
