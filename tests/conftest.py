@@ -1,7 +1,11 @@
-"""Test configuration: 8 emulated CPU devices, a mesh factory and one tolerance table.
+"""Test configuration: 8 emulated CPU devices, and runtime shape checks.
 
 JAX is configured here, before any test module creates an array, so every test sees the
-same 8-device CPU platform that CI sees.
+same 8-device CPU platform that CI sees. jaxtyping's import hook (with beartype) is installed
+before the library is imported, so every annotated public signature of ``ringattn``,
+``paged`` and ``offload`` is checked against its shape annotation in every test. Tests that
+feed deliberately malformed inputs to check the library's own ``ValueError`` messages carry
+the ``no_typecheck`` marker, which switches the hook off for that test only.
 """
 
 import os
@@ -13,11 +17,25 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_threefry_partitionable", True)
 
+import jaxtyping
+
+jaxtyping.install_import_hook(["ringattn", "paged", "offload"], "beartype.beartype")
+
 import pytest
 
-from tests._util import make_test_mesh
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "no_typecheck: switch the jaxtyping/beartype runtime check off (malformed-input tests)",
+    )
 
 
-@pytest.fixture
-def mesh_factory():
-    return make_test_mesh
+@pytest.fixture(autouse=True)
+def _runtime_typecheck(request):
+    """Runtime shape checks on, except for tests marked ``no_typecheck``."""
+    disable = request.node.get_closest_marker("no_typecheck") is not None
+    previous = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", disable)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", previous)
