@@ -91,6 +91,7 @@ def validate(cache: PagedKVCache) -> None:
         inside a sequence, or a page used twice by one sequence.
 
     Example:
+      >>> from paged import init_paged_cache
       >>> validate(init_paged_cache(1, 1, 4, 2, 8, batch=2, max_pages_per_seq=2))
     """
     if not isinstance(cache, PagedKVCache):
