@@ -337,7 +337,7 @@ def test_with_page_table_is_the_hand_off_and_is_jittable():
     "table, lengths, match",
     [
         (np.zeros((1, 3), np.int32), None, r"page_table: expected the cache's shape"),
-        (np.zeros((2, 3), np.float32), None, "page_table: expected a integer array"),
+        (np.zeros((2, 3), np.float32), None, "page_table: expected an integer array"),
         (np.zeros((2, 3), np.int32), np.zeros((3,), np.int32), r"lengths: expected shape \(2,\)"),
         (np.zeros((2, 3), np.int32), [1, 2], "lengths: expected a rank-1 integer array"),
     ],
