@@ -84,6 +84,27 @@ class PagedAttentionOutput(NamedTuple):
     page_mass: Float[Array, "B N M"] | None
 
 
+def _python(x):
+    """A numpy scalar as its Python value (tuples elementwise); anything else unchanged."""
+    if isinstance(x, tuple):
+        return tuple(_python(e) for e in x)
+    return x.item() if isinstance(x, np.generic) else x
+
+
+def resolve_mask(fn: str, mask, *, causal, window, softcap, scale) -> ringattn.MaskSpec:
+    """:func:`ringattn.resolve_mask` with paged's default ``causal=True``; numpy scalars
+    become Python values first (so they are static, hashable jit options)."""
+    return ringattn.resolve_mask(
+        fn,
+        mask,
+        causal=_python(causal),
+        window=_python(window),
+        softcap=_python(softcap),
+        scale=_python(scale),
+        default_causal=True,
+    )
+
+
 def check_sinks(fn: str, sinks, N: int) -> None:
     """``sinks``: None or a float ``[N]`` array."""
     if sinks is None:
@@ -139,13 +160,13 @@ def paged_attention(
     *,
     q_positions: Int[Array | np.ndarray, "B T"] | None = None,
     mask: ringattn.MaskSpec | None = None,
-    causal: bool | None = None,
+    causal: bool | np.bool_ | None = None,
     window: Window = None,
     softcap: FloatScalar | None = None,
     scale: FloatScalar | None = None,
     sinks: Float[Array, " N"] | None = None,
     pages_per_block: IntScalar = DEFAULT_PAGES_PER_BLOCK,
-    return_page_mass: bool = False,
+    return_page_mass: bool | np.bool_ = False,
 ) -> PagedAttentionOutput:
     """Decode attention of a few query tokens per sequence over a paged KV pool.
 
@@ -201,9 +222,7 @@ def paged_attention(
     check_table(fn, page_table, lengths, B)
     if T < 1:
         raise ValueError(f"{fn}: q: expected at least one query token (T >= 1), got {describe(q)}")
-    spec = ringattn.resolve_mask(
-        fn, mask, causal=causal, window=window, softcap=softcap, scale=scale, default_causal=True
-    )
+    spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
     check_sinks(fn, sinks, N)
     pages_per_block = int_option(fn, "pages_per_block", pages_per_block, minimum=1)
     q_positions = default_q_positions(fn, q_positions, lengths, B, T)
@@ -282,7 +301,7 @@ def ragged_paged_attention(
     num_seqs: Int[Array | np.ndarray, ""] | Int[Array | np.ndarray, "1"] | IntScalar,
     *,
     mask: ringattn.MaskSpec | None = None,
-    causal: bool | None = None,
+    causal: bool | np.bool_ | None = None,
     window: Window = None,
     softcap: FloatScalar | None = None,
     scale: FloatScalar | None = None,
@@ -352,9 +371,7 @@ def ragged_paged_attention(
         raise ValueError(
             f"{fn}: num_seqs: expected one integer (scalar or shape (1,)), got {describe(num_seqs)}"
         )
-    spec = ringattn.resolve_mask(
-        fn, mask, causal=causal, window=window, softcap=softcap, scale=scale, default_causal=True
-    )
+    spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
     check_sinks(fn, sinks, N)
     pages_per_block = int_option(fn, "pages_per_block", pages_per_block, minimum=1)
     queries_per_block = int_option(fn, "queries_per_block", queries_per_block, minimum=1)

@@ -20,6 +20,7 @@ from paged._attention import (
     Window,
     check_sinks,
     default_q_positions,
+    resolve_mask,
 )
 from paged._cache import PagedKVCache, gather_kv
 from paged._checks import check_array, check_heads, check_pages, check_table, describe
@@ -72,12 +73,12 @@ def paged_attention_reference(
     *,
     q_positions: Int[Array | np.ndarray, "B T"] | None = None,
     mask: ringattn.MaskSpec | None = None,
-    causal: bool | None = None,
+    causal: bool | np.bool_ | None = None,
     window: Window = None,
     softcap: FloatScalar | None = None,
     scale: FloatScalar | None = None,
     sinks: Float[Array, " N"] | None = None,
-    return_page_mass: bool = False,
+    return_page_mass: bool | np.bool_ = False,
 ) -> PagedAttentionOutput:
     """Dense float32 oracle of :func:`paged.paged_attention` (same arguments and defaults).
 
@@ -117,9 +118,7 @@ def paged_attention_reference(
     K, P, C, H = check_pages(fn, k_pages, v_pages)
     check_heads(fn, q, K, H, k_pages.dtype)
     _, M = check_table(fn, page_table, lengths, B)
-    spec = ringattn.resolve_mask(
-        fn, mask, causal=causal, window=window, softcap=softcap, scale=scale, default_causal=True
-    )
+    spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
     check_sinks(fn, sinks, N)
     q_pos = default_q_positions(fn, q_positions, jnp.asarray(lengths), B, T)
     k, v, valid = _dense(k_pages, v_pages, page_table, lengths)
@@ -155,7 +154,7 @@ def ragged_paged_attention_reference(
     num_seqs: Int[Array | np.ndarray, ""] | Int[Array | np.ndarray, "1"] | int | np.integer,
     *,
     mask: ringattn.MaskSpec | None = None,
-    causal: bool | None = None,
+    causal: bool | np.bool_ | None = None,
     window: Window = None,
     softcap: FloatScalar | None = None,
     scale: FloatScalar | None = None,
@@ -205,9 +204,7 @@ def ragged_paged_attention_reference(
     check_array(fn, "cu_q_lens", cu_q_lens, 1, jnp.integer)
     if tuple(cu_q_lens.shape) != (B + 1,):
         raise ValueError(f"{fn}: cu_q_lens: expected shape ({B + 1},), got {describe(cu_q_lens)}")
-    spec = ringattn.resolve_mask(
-        fn, mask, causal=causal, window=window, softcap=softcap, scale=scale, default_causal=True
-    )
+    spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
     check_sinks(fn, sinks, N)
     k, v, valid = _dense(k_pages, v_pages, page_table, lengths)
     S = k.shape[1]

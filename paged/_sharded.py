@@ -37,6 +37,7 @@ from paged._attention import (
     check_sinks,
     default_q_positions,
     paged_attention,
+    resolve_mask,
 )
 from paged._checks import check_array, check_heads, check_pages, check_table, int_option
 
@@ -72,7 +73,7 @@ def sharded_paged_attention(
     seq_axis: str,
     q_positions: Int[Array | np.ndarray, "B T"] | None = None,
     mask: ringattn.MaskSpec | None = None,
-    causal: bool | None = None,
+    causal: bool | np.bool_ | None = None,
     window: Window = None,
     softcap: FloatScalar | None = None,
     scale: FloatScalar | None = None,
@@ -144,9 +145,7 @@ def sharded_paged_attention(
             f"the {D} devices of axis {seq_axis!r} (must both divide), got P % D = {P % D}, "
             f"M % D = {M % D}"
         )
-    spec = ringattn.resolve_mask(
-        fn, mask, causal=causal, window=window, softcap=softcap, scale=scale, default_causal=True
-    )
+    spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
     check_sinks(fn, sinks, N)
     ppb = int_option(fn, "pages_per_block", pages_per_block, minimum=1)
     lengths = jnp.asarray(lengths)
