@@ -33,8 +33,8 @@ class OffloadManager:
     were paged out. Every transfer method returns a :class:`~offload.TransferHandle`, like
     the functions it wraps. For a pool split along the page axis each page gets a free slot
     of its own device (per-device slots); :meth:`spill`, :meth:`restore` and
-    :meth:`prefetch` do not support such pools (``NotImplementedError``). On disk a request is one :class:`~offload.DiskStore` entry keyed by its
-    request id. Device bytes belong to the caller's page allocator: register them with
+    :meth:`prefetch` do not support such pools (``NotImplementedError``). On disk a request
+    is one :class:`~offload.DiskStore` entry keyed by its request id. Device bytes belong to the caller's page allocator: register them with
     ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or frees pages.
 
     Args:
@@ -99,15 +99,16 @@ class OffloadManager:
             return self._free[: ids.size]
         per_page, per_slot = num_pages // shards, self._host_pool.num_slots // shards
         free = {d: [s for s in self._free if s // per_slot == d] for d in range(shards)}
+        blocks, counts = np.unique(ids // per_page, return_counts=True)
+        for block, count in zip(blocks.tolist(), counts.tolist(), strict=True):
+            if count > len(free[block]):
+                raise ValueError(
+                    f"{fn}: page_ids: expected at most {len(free[block])} pages of device block "
+                    f"{block} (its free host slots: per-device slots), got {count}"
+                )
         slots = []
         for page in ids.tolist():
             mine = free[page // per_page]
-            if not mine:
-                raise ValueError(
-                    f"{fn}: page_ids: expected at most {per_slot} pages per device block with "
-                    f"free host slots, got more pages of block {page // per_page} than its "
-                    f"free slots"
-                )
             slots.append(mine.pop(0))
         return slots
 

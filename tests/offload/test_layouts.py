@@ -128,7 +128,9 @@ def test_manager_on_page_split_pool_uses_per_device_slots(tmp_path):
     k2, _ = manager.wait(manager.page_in(jnp.zeros_like(k), jnp.zeros_like(v), ids, request_id="r"))
     np.testing.assert_array_equal(np.asarray(k2)[..., ids, :, :], np.asarray(k)[..., ids, :, :])
     assert manager.free_slots == SLOTS
-    with pytest.raises(ValueError, match=r"expected at most 2 pages per device block"):
+    with pytest.raises(
+        ValueError, match=r"page_ids: expected at most 2 pages of device block 0 .* got 3"
+    ):
         manager.page_out(k, v, [0, 1, 2], request_id="s")  # three pages of block 0
 
 
