@@ -417,3 +417,13 @@ def test_cache_functions_under_vmap_and_attention_under_remat():
         jnp.ones((2, 1, 1, 4)), c, c, out.page_table[0], out.lengths[0], window=2
     )
     np.testing.assert_allclose(np.asarray(res.out), np.asarray(plain.out), atol=1e-6)
+
+
+@pytest.mark.no_typecheck
+def test_from_zero_based_table_errors():
+    from paged import from_zero_based_table
+
+    with pytest.raises(ValueError, match="from_zero_based_table: page_table: expected rank 2"):
+        from_zero_based_table(np.zeros((3,), np.int32))
+    with pytest.raises(ValueError, match="from_zero_based_table: page_table: expected an integer"):
+        from_zero_based_table(np.zeros((1, 3), np.float32))
