@@ -158,3 +158,16 @@ def test_sharded_sinks_join_once_after_the_merge(axis_type):
     # The empty sequence: out 0, lse = sink (once, not D times).
     np.testing.assert_array_equal(np.asarray(res.out[2]), 0.0)
     np.testing.assert_allclose(np.asarray(res.lse[2, 0]), np.asarray(sinks), rtol=1e-6)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_sharded_paged_attention_under_vmap_and_jit(axis_type):
+    rng = np.random.default_rng(5)
+    q, k, v, local, lengths, global_table = sharded_inputs(rng, 2)
+    mesh = make_test_mesh((2,), ("seq",), axis_type=axis_type)
+    fn = functools.partial(sharded_paged_attention, mesh=mesh, seq_axis="seq", window=5)
+    qs = jnp.stack([q, -q])
+    res = jax.jit(jax.vmap(fn, in_axes=(0, None, None, None, None)))(qs, k, v, local, lengths)
+    for i in range(2):
+        ref = paged_attention_reference(qs[i], k, v, global_table, lengths, window=5)
+        assert_close(res.out[i], ref.out, dtype=jnp.float32, what=f"vmap {i}")
