@@ -33,8 +33,9 @@ class OffloadManager:
     were paged out. Every transfer method returns a :class:`~offload.TransferHandle`, like
     the functions it wraps. For a pool split along the page axis each page gets a free slot
     of its own device (per-device slots), also when :meth:`restore` brings it back from disk
-    (the entry records each page's device block); :meth:`prefetch` does not support such
-    pools (``NotImplementedError``). On disk a request
+    (the entry records each page's device block); :meth:`prefetch` of such a pool needs the
+    request's pages ``n / D`` per device block in block order (as
+    :func:`~offload.prefetch_layer`). On disk a request
     is one :class:`~offload.DiskStore` entry keyed by its request id. Device bytes belong to the caller's page allocator: register them with
     ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or frees pages.
 
@@ -236,7 +237,7 @@ class OffloadManager:
         Raises:
           ValueError: if the request has no host pages, or on anything
             :func:`~offload.prefetch_layer` rejects.
-          NotImplementedError: on pools split along the page axis or the layer axis.
+          NotImplementedError: on pools split along the layer axis.
         """
         slots = self._slots.get(request_id)
         if not slots:

@@ -88,10 +88,14 @@ def test_round_trip_every_layout(name, axis_type):
     expect_v[..., targets, :, :] = np.asarray(host.v_pages)[..., slots, :, :]
     np.testing.assert_array_equal(np.asarray(k2), expect_k)
     np.testing.assert_array_equal(np.asarray(v2), expect_v)
-    if k.ndim == 5 and not split:
-        pk, pv = wait(prefetch_layer(host, slots, layer=1))
-        np.testing.assert_array_equal(np.asarray(pk), np.asarray(k)[1][:, ids])
-        np.testing.assert_array_equal(np.asarray(pv), np.asarray(v)[1][:, ids])
+    if k.ndim == 5:
+        order = np.argsort(slots // (SLOTS // host.page_shards), kind="stable")  # block order
+        pk, pv = wait(prefetch_layer(host, slots[order], layer=1))
+        np.testing.assert_array_equal(np.asarray(pk), np.asarray(k)[1][:, ids[order]])
+        np.testing.assert_array_equal(np.asarray(pv), np.asarray(v)[1][:, ids[order]])
+        if split:  # split along n like the pool along its pages
+            assert pk.sharding.spec[:2] == (None, "seq")
+            assert pk.sharding.memory_kind == "device"
 
 
 @pytest.mark.parametrize("name", ["layer-pages", "stacked-pages"])
@@ -106,8 +110,13 @@ def test_page_split_pools_refuse_crossing_pairs_and_prefetch(name):
     with pytest.raises(ValueError, match=r"make_host_page_pool: num_slots: expected a multiple"):
         make_host_page_pool(k, v, SLOTS + 1)
     if k.ndim == 5:
-        with pytest.raises(NotImplementedError, match=r"split along the page axis"):
-            prefetch_layer(host, [0], layer=0)
+        with pytest.raises(ValueError, match=r"prefetch_layer: host_slots: expected n / 4 slots"):
+            prefetch_layer(host, [0], layer=0)  # one slot: not n / D of each block
+        with pytest.raises(ValueError, match=r"prefetch_layer: host_slots: expected n / 4 slots"):
+            prefetch_layer(host, [2, 0, 4, 6], layer=0)  # blocks out of order
+        staging = jnp.zeros((K, D, C, H))
+        with pytest.raises(NotImplementedError, match=r"prefetch_layer: into: staging buffers"):
+            prefetch_layer(host, [0, 2, 4, 6], layer=0, into=(staging, staging))
 
 
 def test_page_split_pool_mismatched_host_pool():
