@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -201,3 +203,53 @@ def test_manager_spill_and_restore_page_split_pool(tmp_path):
                                "block": np.zeros(3, np.int32)})  # fmt: skip
     with pytest.raises(ValueError, match=r"restore: request_id: expected at most 0 pages of"):
         manager.restore("crowd")
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["out", "in", "drop"]),
+            st.sampled_from("abc"),
+            st.lists(st.integers(0, PAGES - 1), min_size=1, max_size=3, unique=True),
+        ),
+        max_size=8,
+    )
+)
+@settings(max_examples=10, deadline=None)
+def test_manager_on_page_split_pool_matches_a_model(ops):
+    """Random page-outs, page-ins and drops on a page-split pool: per-device slots, data kept."""
+    k, v = _pools("stacked-pages", seed=6)
+    manager = OffloadManager(make_host_page_pool(k, v, SLOTS))
+    per_page, per_slot = PAGES // D, SLOTS // D
+    owned: dict[str, list[int]] = {}
+    device = (jnp.zeros_like(k), jnp.zeros_like(v))
+    for op, request, ids in ops:
+        blocks = np.bincount(np.array(ids) // per_page, minlength=D)
+        free = np.bincount(np.array(manager_free(manager)) // per_slot, minlength=D)
+        if op == "out" and np.all(blocks <= free):
+            manager.page_out(k, v, ids, request_id=request)
+            owned.setdefault(request, []).extend(ids)
+        elif op == "out":
+            with pytest.raises(ValueError, match=r"expected at most \d+ pages of device block"):
+                manager.page_out(k, v, ids, request_id=request)
+        elif op == "in" and request in owned:
+            targets = owned.pop(request)  # back to the same device pages
+            device = manager.wait(manager.page_in(*device, targets, request_id=request))
+            np.testing.assert_array_equal(
+                np.asarray(device[0])[..., targets, :, :], np.asarray(k)[..., targets, :, :]
+            )
+        elif op == "drop" and request in owned:
+            manager.drop(request)
+            del owned[request]
+        for request, pages in owned.items():
+            slots = manager.host_slots(request)
+            np.testing.assert_array_equal(slots // per_slot, np.array(pages) // per_page)
+        held = [s for r in owned for s in manager.host_slots(r)]
+        assert len(held) == len(set(held)) and manager.free_slots + len(held) == SLOTS
+    manager.poll()
+
+
+def manager_free(manager):
+    """The manager's free slots (all slots minus those its requests hold)."""
+    held = {s for r in "abc" for s in manager.host_slots(r).tolist()}
+    return [s for s in range(SLOTS) if s not in held]
