@@ -219,7 +219,7 @@ def test_errors():
     with pytest.raises(ValueError, match="v_pages: expected k_pages' shape"):
         f(q, k_pages, v_pages[:, :3], table, lengths)
     with pytest.raises(
-        ValueError, match="q: expected a number of heads N=3 that kv heads K=2 divide"
+        ValueError, match="k_pages: expected kv heads K >= 1 dividing q's N=3 heads, got K=2"
     ):
         f(q[:, :, :3], k_pages, v_pages, table, lengths)
     with pytest.raises(ValueError, match="device_table: expected an integer array int"):
