@@ -148,7 +148,6 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
         vb = jnp.take(v_pages, ids, axis=1, mode="clip").reshape(K, span, H)
         kv_pos = j * span + jnp.arange(span, dtype=jnp.int32)
         token_ok = jnp.repeat(page_ok, C) & (kv_pos < length)  # [span]
-        vb = jnp.where(token_ok[None, :, None], vb, jnp.zeros((), vb.dtype))
         s = jnp.einsum("krh,ksh->krs", qh, kb, preferred_element_type=jnp.float32)
         s = s * opts.scale
         if opts.softcap is not None:
@@ -161,6 +160,10 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
         elif opts.window is not None:
             visible &= (kv_pos[None, :] > row_pos[:, None] - opts.window)[None]
         s = jnp.where(visible, s, -jnp.inf)  # [K, G*R, span]
+        # A value no row of this block may see is zeroed (a select, not a product), so NaN or
+        # inf stored there cannot reach p @ v through a zero probability.
+        seen = jnp.any(visible, axis=(0, 1))  # [span]
+        vb = jnp.where(seen[None, :, None], vb, jnp.zeros((), vb.dtype))
         state = update_online_softmax(state, s, vb)
         if opts.want_page_lse:
             sp = s.reshape(K, GR, ppb, C)

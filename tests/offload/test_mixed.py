@@ -319,14 +319,7 @@ def test_sinks_and_mask_errors():
     "poisoned",
     [
         "keys",
-        pytest.param(
-            "values",
-            marks=pytest.mark.xfail(
-                reason="paged.paged_attention with a window and pages_per_block > 1 lets an inf "
-                "value of a key outside the window reach the output (reported to paged)",
-                strict=False,
-            ),
-        ),
+        "values",
     ],
 )
 def test_keys_outside_the_window_have_no_effect_even_when_nan(poisoned):

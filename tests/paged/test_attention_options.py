@@ -265,6 +265,39 @@ def test_garbage_in_masked_slots_never_reaches_ragged_outputs():
     np.testing.assert_array_equal(np.asarray(dirty.out), np.asarray(clean.out))
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("ppb", [1, 2, 32])
+@pytest.mark.parametrize("kernel", ["paged", "ragged"])
+def test_keys_inside_lengths_but_outside_every_window_have_no_effect(poison, ppb, kernel):
+    """Poison keys and values that are valid cache slots but lie before every query's window
+    (the class a window-only mask used to miss when a block was partly visible)."""
+    rng = np.random.default_rng(11)
+    window, T, Mw = 3, 2, 8
+    lengths = np.array([24, 17, 9], np.int32)
+    k, v, table, lens = make_pool(
+        rng, K=K, C=C, H=H, lengths=lengths.tolist(), M=Mw, dtype=jnp.float32
+    )
+    k, v = jnp.nan_to_num(k, nan=0.0), jnp.nan_to_num(v, nan=0.0)
+    kp, vp, tab = np.asarray(k).copy(), np.asarray(v).copy(), np.asarray(table)
+    for b, n in enumerate(lengths):
+        for pos in range(n - T - window + 1):  # seen by no query of the last T
+            kp[:, tab[b, pos // C], pos % C] = poison
+            vp[:, tab[b, pos // C], pos % C] = poison
+    q = jnp.asarray(rng.standard_normal((3, T, N, H)), jnp.float32)
+    if kernel == "paged":
+        fn = functools.partial(paged_attention, window=window, pages_per_block=ppb)
+        args = (table, lens)
+    else:
+        q = q.reshape(3 * T, N, H)
+        fn = functools.partial(ragged_paged_attention, window=window, pages_per_block=ppb)
+        args = (table, lens, jnp.arange(4, dtype=jnp.int32) * T, 3)
+    dirty = jax.jit(fn)(q, jnp.asarray(kp), jnp.asarray(vp), *args)
+    clean = jax.jit(fn)(q, k, v, *args)
+    assert np.all(np.isfinite(np.asarray(dirty.out)))
+    np.testing.assert_array_equal(np.asarray(dirty.out), np.asarray(clean.out))
+    np.testing.assert_array_equal(np.asarray(dirty.lse), np.asarray(clean.lse))
+
+
 # ------------------------------------------------------------------ degenerate shapes
 
 
