@@ -37,6 +37,7 @@ from ringattn._checks import (
     describe,
     fail,
 )
+from ringattn._dense_mask import DenseMask
 
 __all__ = [
     "MaskSpec",
@@ -58,6 +59,9 @@ class MaskSpec:
         can mix sliding-window and global heads.
       softcap: if set, logits become ``softcap * tanh(logits / softcap)``; ``> 0``.
       scale: logit scale; ``None`` means ``1 / sqrt(H)``.
+      dense: a static :class:`ringattn.DenseMask` ``[T, S]`` over query/key indices, ANDed
+        with the rest (only :func:`ringattn.attention_reference` and
+        :func:`ringattn.blockwise_attention` take one).
 
     Numpy scalars are accepted and normalised to Python types; a bad value raises
     ``ValueError("MaskSpec: <field>: expected ..., got ...")``.
@@ -67,13 +71,17 @@ class MaskSpec:
       (None, 128, 128, None)
     """
 
-    causal: bool = False
-    window: int | tuple[int | None, ...] | None = None
-    softcap: float | None = None
-    scale: float | None = None
+    # Annotated with what __init__ accepts; __post_init__ stores Python bool / int / float.
+    causal: bool | np.bool_ = False
+    window: IntLike | tuple[IntLike | None, ...] | None = None
+    softcap: FloatLike | None = None
+    scale: FloatLike | None = None
+    dense: DenseMask | None = None
 
     def __post_init__(self):
         fn = "MaskSpec"
+        if self.dense is not None and not isinstance(self.dense, DenseMask):
+            raise fail(fn, "dense", "a ringattn.DenseMask or None", describe(self.dense))
         set_ = lambda name, value: object.__setattr__(self, name, value)
         set_("causal", check_bool(fn, "causal", self.causal))
         window = self.window
@@ -125,6 +133,19 @@ class MaskSpec:
         if isinstance(self.window, tuple):
             return min(w for w in self.window if w is not None)
         return self.window
+
+    def check_dense(self, fn: str, T: int, S: int, supported: bool) -> None:
+        if self.dense is None:
+            return
+        if not supported:
+            raise NotImplementedError(
+                f"{fn}: mask: a DenseMask is supported by attention_reference and "
+                "blockwise_attention only"
+            )
+        if self.dense.shape != (T, S):
+            raise fail(
+                fn, "mask.dense", f"a DenseMask of shape (T, S) = {(T, S)}", self.dense.shape
+            )
 
     def check_heads(self, fn: str, num_heads: int) -> None:
         if isinstance(self.window, tuple) and len(self.window) != num_heads:
@@ -198,7 +219,7 @@ def resolve_mask(
 
     Example:
       >>> resolve_mask("f", causal=True, window=8)
-      MaskSpec(causal=True, window=8, softcap=None, scale=None)
+      MaskSpec(causal=True, window=8, softcap=None, scale=None, dense=None)
     """
     sugar = dict(causal=causal, window=window, softcap=softcap, scale=scale)
     given = [name for name, value in sugar.items() if value is not None]
@@ -301,6 +322,8 @@ def visibility(q_pos, kv_pos, spec: MaskSpec, segment_ids, head_windows):
         mask &= kp <= qp
     if segment_ids is not None:
         mask &= segment_ids.q[:, :, None] == segment_ids.kv[:, None, :]
+    if spec.dense is not None:
+        mask &= jnp.asarray(spec.dense.array)[None]
     if spec.per_head:
         w = np.asarray([0 if x is None else x for x in head_windows], np.int32)
         has = np.asarray([x is not None for x in head_windows])
@@ -326,8 +349,12 @@ def prepare(
     positions,
     sinks,
     default_causal: bool = False,
+    dense_ok: bool = False,
 ):
     """The checks every attention entry point runs: shapes, mask, ids, sinks.
+
+    ``dense_ok``: whether the caller supports :class:`ringattn.DenseMask` (else
+    NotImplementedError).
 
     Returns ``((B, T, S, N, K, H), MaskSpec, SegmentIds | None, Positions)``.
     """
@@ -346,6 +373,7 @@ def prepare(
         default_causal=default_causal,
     )
     spec.check_heads(fn, N)
+    spec.check_dense(fn, T, S, dense_ok)
     seg, pos = resolve_ids(fn, B, T, S, segment_ids, positions)
     check_sinks(fn, sinks, N)
     return dims, spec, seg, pos

@@ -32,12 +32,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from ringattn._blockwise import BlockSizes, blockwise_attention, empty_attention
+from ringattn._blockwise import BlockSizes, empty_attention, head_windows, local_attention
 from ringattn._checks import FloatLike, IntLike, fail
 from ringattn._layout import LAYOUTS, from_layout, to_layout
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
-from ringattn._ring import ring_attention_per_shard
+from ringattn._ring import ring_local
 
 __all__ = ["STRATEGIES", "sharded_attention"]
 
@@ -59,6 +59,7 @@ class _Plan:
     kv_repeat: int  # Ulysses: each kv head is repeated this many times before the all-to-all
     mask: MaskSpec
     block_sizes: BlockSizes | None
+    num_heads: int  # global query heads N (per-head windows are sliced per device)
 
     @property
     def seq_spec(self):
@@ -111,23 +112,23 @@ def _permuted(x, plan: _Plan, axis: int = 1):
     return to_layout(x, plan.layout, num_shards=plan.layout_shards, axis=axis)
 
 
-def _mask_kwargs(qs, ks, qp, kp, plan: _Plan) -> dict:
-    """The options every local attention call of a plan shares."""
-    return dict(
-        mask=plan.mask,
-        segment_ids=None if qs is None else SegmentIds(qs, ks),
-        positions=None if qp is None and kp is None else Positions(qp, kp),
-        block_sizes=plan.block_sizes,
-    )
+def _windows(plan: _Plan, start, count: int):
+    """Per-head windows of ``count`` local query heads from global head ``start`` (or None)."""
+    if not plan.mask.per_head:
+        return None
+    every = jnp.asarray(head_windows(plan.mask, plan.num_heads))
+    return lax.dynamic_slice_in_dim(every, start, count)
 
 
-def _attend_local(q, k, v, qs, ks, qp, kp, plan: _Plan):
-    return blockwise_attention(q, k, v, **_mask_kwargs(qs, ks, qp, kp, plan))
+def _attend_local(q, k, v, qs, ks, qp, kp, windows, plan: _Plan):
+    sizes = plan.block_sizes or BlockSizes()
+    return local_attention(q, k, v, qp, kp, qs, ks, windows, plan.mask, sizes)
 
 
-def _attend_ring(q, k, v, qs, ks, qp, kp, plan: _Plan):
-    return ring_attention_per_shard(
-        q, k, v, seq_axis=plan.seq_axis, layout=plan.layout, **_mask_kwargs(qs, ks, qp, kp, plan)
+def _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan: _Plan):
+    sizes = plan.block_sizes or BlockSizes()
+    return ring_local(
+        q, k, v, qp, kp, qs, ks, windows, plan.mask, plan.layout, sizes, plan.seq_axis
     )
 
 
@@ -135,13 +136,14 @@ def _gather(x, axis_name, axis: int = 1):
     return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
-def _allgather_body(q, k, v, qs, ks, qp, kp, plan: _Plan):
+def _allgather_body(q, k, v, qs, ks, qp, kp, head_start, plan: _Plan):
     a = plan.seq_axis
     k, v, ks, kp = (_natural(_gather(x, a), plan) for x in (k, v, ks, kp))
-    return _attend_local(q, k, v, qs, ks, qp, kp, plan)
+    windows = _windows(plan, head_start, q.shape[2])
+    return _attend_local(q, k, v, qs, ks, qp, kp, windows, plan)
 
 
-def _ulysses_body(q, k, v, qs, ks, qp, kp, plan: _Plan):
+def _ulysses_body(q, k, v, qs, ks, qp, kp, head_start, plan: _Plan):
     """Sequence-sharded → head-sharded, attend over the full (ring-local) sequence, and back."""
     u = plan.ulysses_axis if plan.strategy == "usp" else plan.seq_axis
     if plan.kv_repeat > 1:
@@ -156,22 +158,26 @@ def _ulysses_body(q, k, v, qs, ks, qp, kp, plan: _Plan):
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     qs, ks, qp, kp = (_gather(x, u) for x in (qs, ks, qp, kp))
+    windows = _windows(plan, head_start + lax.axis_index(u) * q.shape[2], q.shape[2])
     if plan.strategy == "usp":
-        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, plan)
+        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan)
     else:
         q, k, v, qs, ks, qp, kp = (_natural(x, plan) for x in (q, k, v, qs, ks, qp, kp))
-        out, lse = _attend_local(q, k, v, qs, ks, qp, kp, plan)
+        out, lse = _attend_local(q, k, v, qs, ks, qp, kp, windows, plan)
         out, lse = _permuted(out, plan), _permuted(lse, plan)
     return to_sequence(out), to_sequence(lse)
 
 
 def _body(q, k, v, qs, ks, qp, kp, sinks, *, plan: _Plan):
+    # First global query head held here (heads are split over head_axis, in order).
+    head_start = 0 if plan.head_axis is None else lax.axis_index(plan.head_axis) * q.shape[2]
     if plan.strategy == "ring":
-        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, plan)
+        windows = _windows(plan, head_start, q.shape[2])
+        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan)
     elif plan.strategy == "allgather":
-        out, lse = _allgather_body(q, k, v, qs, ks, qp, kp, plan)
+        out, lse = _allgather_body(q, k, v, qs, ks, qp, kp, head_start, plan)
     else:
-        out, lse = _ulysses_body(q, k, v, qs, ks, qp, kp, plan)
+        out, lse = _ulysses_body(q, k, v, qs, ks, qp, kp, head_start, plan)
     return apply_sinks(out, lse, sinks)  # once, on the complete attention of each row
 
 
@@ -411,6 +417,7 @@ def sharded_attention(
         kv_repeat=kv_repeat,
         mask=spec,
         block_sizes=block_sizes,
+        num_heads=N,
     )
     qs, ks = (None, None) if seg is None else seg
     return _sharded(q, k, v, qs, ks, pos.q, pos.kv, sinks, plan)
