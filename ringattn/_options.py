@@ -134,14 +134,9 @@ class MaskSpec:
             return min(w for w in self.window if w is not None)
         return self.window
 
-    def check_dense(self, fn: str, T: int, S: int, supported: bool) -> None:
+    def check_dense(self, fn: str, T: int, S: int) -> None:
         if self.dense is None:
             return
-        if not supported:
-            raise NotImplementedError(
-                f"{fn}: mask: a DenseMask is supported by attention_reference and "
-                "blockwise_attention only"
-            )
         if self.dense.shape != (T, S):
             raise fail(
                 fn, "mask.dense", f"a DenseMask of shape (T, S) = {(T, S)}", self.dense.shape
@@ -198,6 +193,7 @@ def resolve_mask(
     softcap: FloatLike | None = None,
     scale: FloatLike | None = None,
     default_causal: bool = False,
+    dense_ok: bool = False,
 ) -> MaskSpec:
     """The one validator of mask options: ``mask=`` or keyword sugar, never both.
 
@@ -209,6 +205,7 @@ def resolve_mask(
       softcap: sugar for ``MaskSpec(softcap=...)``.
       scale: sugar for ``MaskSpec(scale=...)``.
       default_causal: the function's default for ``causal`` (``paged`` defaults to True).
+      dense_ok: whether the caller supports ``MaskSpec(dense=DenseMask(...))``.
 
     Returns:
       The validated :class:`MaskSpec`.
@@ -216,9 +213,10 @@ def resolve_mask(
     Raises:
       ValueError: ``fn: mask: ...`` if both ``mask`` and a keyword are given or ``mask`` is not
         a MaskSpec; ``fn: <field>: ...`` for a bad option value.
+      NotImplementedError: a DenseMask where ``dense_ok`` is False.
 
     Example:
-      >>> resolve_mask("f", causal=True, window=8)
+      >>> resolve_mask("f", causal=True, window=8)  # doctest: +NORMALIZE_WHITESPACE
       MaskSpec(causal=True, window=8, softcap=None, scale=None, dense=None)
     """
     sugar = dict(causal=causal, window=window, softcap=softcap, scale=scale)
@@ -229,6 +227,11 @@ def resolve_mask(
         if given:
             raise fail(
                 fn, "mask", "either mask= or the keywords causal/window/softcap/scale", given
+            )
+        if mask.dense is not None and not dense_ok:
+            raise NotImplementedError(
+                f"{fn}: mask: a DenseMask is supported by attention_reference and "
+                "blockwise_attention only"
             )
         return mask
     if causal is None:
@@ -267,12 +270,12 @@ def resolve_ids(
     return segment_ids, Positions(q_pos, kv_pos)
 
 
-def arange_positions(B: int, L: int, start=0):
-    """``[B, L]`` int32 ``start + arange(L)`` (``start`` a scalar or ``[B]``)."""
+def arange_positions(B: int, length: int, start=0):
+    """``[B, length]`` int32 ``start + arange(length)`` (``start`` a scalar or ``[B]``)."""
     start = jnp.asarray(start, jnp.int32)
     if start.ndim:
         start = start[:, None]
-    return jnp.broadcast_to(start + jnp.arange(L, dtype=jnp.int32), (B, L))
+    return jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (B, length))
 
 
 def attention_mask(
@@ -297,6 +300,8 @@ def attention_mask(
 
     Raises:
       ValueError: on a bad window or segment ids of the wrong type.
+
+    Options are static: ``jax.jit(functools.partial(attention_mask, causal=True))``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -371,9 +376,10 @@ def prepare(
         softcap=softcap,
         scale=scale,
         default_causal=default_causal,
+        dense_ok=dense_ok,
     )
     spec.check_heads(fn, N)
-    spec.check_dense(fn, T, S, dense_ok)
+    spec.check_dense(fn, T, S)
     seg, pos = resolve_ids(fn, B, T, S, segment_ids, positions)
     check_sinks(fn, sinks, N)
     return dims, spec, seg, pos

@@ -70,7 +70,7 @@ class _Plan:
         return (self.seq_axis, self.ulysses_axis)
 
     def spec(self, ndim: int) -> P:
-        """Partition spec of a ``[B, L, ...]`` array: 2 ids, 3 lse, 4 q/k/v/out."""
+        """Partition spec of a ``[B, T|S, ...]`` array: 2 ids, 3 lse, 4 q/k/v/out."""
         return P(self.batch_axis, self.seq_spec, *((self.head_axis, None)[: ndim - 2]))
 
 
@@ -150,10 +150,10 @@ def _ulysses_body(q, k, v, qs, ks, qp, kp, head_start, plan: _Plan):
         k = jnp.repeat(k, plan.kv_repeat, axis=2)  # [B, S/n, K * r, H]: copies stay adjacent
         v = jnp.repeat(v, plan.kv_repeat, axis=2)
 
-    def to_heads(x):  # [B, L/n, N, H] -> [B, L, N/n, H]
+    def to_heads(x):  # [B, T/n, N, H] -> [B, T, N/n, H]
         return lax.all_to_all(x, u, split_axis=2, concat_axis=1, tiled=True)
 
-    def to_sequence(x):  # [B, L, N/n, ...] -> [B, L/n, N, ...]
+    def to_sequence(x):  # [B, T, N/n, ...] -> [B, T/n, N, ...]
         return lax.all_to_all(x, u, split_axis=1, concat_axis=2, tiled=True)
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
@@ -181,8 +181,8 @@ def _body(q, k, v, qs, ks, qp, kp, sinks, *, plan: _Plan):
     return apply_sinks(out, lse, sinks)  # once, on the complete attention of each row
 
 
-def _default_positions(B: int, L: int, plan: _Plan):
-    return _permuted(arange_positions(B, L), plan)
+def _default_positions(B: int, length: int, plan: _Plan):
+    return _permuted(arange_positions(B, length), plan)
 
 
 @functools.partial(jax.jit, static_argnums=(8,))

@@ -9,6 +9,7 @@ import pytest
 
 from ringattn import (
     BlockSizes,
+    DenseMask,
     MaskSpec,
     Positions,
     SegmentIds,
@@ -69,6 +70,10 @@ def test_resolve_mask_is_the_one_validator():
         resolve_mask("f", spec, causal=True)
     with pytest.raises(ValueError, match="f: window: expected an int >= 1, got 0"):
         resolve_mask("f", window=0)
+    dense = MaskSpec(dense=DenseMask.causal(2, 2))
+    assert resolve_mask("f", dense, dense_ok=True) is dense
+    with pytest.raises(NotImplementedError, match="f: mask: a DenseMask is supported by"):
+        resolve_mask("f", dense)  # paged and the distributed paths reject it
 
 
 @pytest.mark.no_typecheck

@@ -179,3 +179,41 @@ def test_merge_allreduce_and_sinks_under_transforms():
     )
     assert_close(out, whole.out, dtype=jnp.float32)
     assert_close(lse, whole.lse, dtype=jnp.float32)
+
+
+def test_small_public_functions_under_jit():
+    """The mask, layout and online-softmax helpers, jitted with their options bound."""
+    from ringattn import (
+        attention_mask,
+        finalize_online_softmax,
+        from_layout,
+        init_online_softmax,
+        shard_positions,
+        to_layout,
+        update_online_softmax,
+    )
+
+    qpos = jnp.array([[5, 6]])
+    kpos = jnp.arange(8)[None]
+    mask = jax.jit(functools.partial(attention_mask, causal=True, window=3))(qpos, kpos)
+    assert mask[0, 0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0]
+    x = jnp.arange(16)[None]
+    to = jax.jit(functools.partial(to_layout, layout="zigzag", num_shards=4))
+    back = jax.jit(functools.partial(from_layout, layout="zigzag", num_shards=4))
+    assert back(to(x)).tolist() == x.tolist()
+    pos = jax.jit(functools.partial(shard_positions, "striped", num_shards=4, local_len=3))
+    assert pos(jnp.int32(1)).tolist() == [1, 5, 9]
+    scores = jax.random.normal(jax.random.key(0), (2, 3, 5))
+    values = jax.random.normal(jax.random.key(1), (2, 5, 4))
+
+    @jax.jit
+    def online(scores, values):
+        state = init_online_softmax((2, 3), 4)
+        state = update_online_softmax(state, scores[..., :2], values[:, :2])
+        state = update_online_softmax(state, scores[..., 2:], values[:, 2:])
+        return finalize_online_softmax(state)
+
+    out, lse = online(scores, values)
+    want = jax.nn.softmax(scores, axis=-1) @ values
+    assert_close(out, want, dtype=jnp.float32)
+    assert_close(lse, jax.nn.logsumexp(scores, axis=-1), dtype=jnp.float32)
