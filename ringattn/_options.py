@@ -34,10 +34,12 @@ from ringattn._checks import (
     check_float,
     check_ids,
     check_int,
+    check_qkv,
     describe,
     fail,
 )
 from ringattn._dense_mask import DenseMask
+from ringattn._online_softmax import check_sinks
 
 __all__ = [
     "MaskSpec",
@@ -363,9 +365,6 @@ def prepare(
 
     Returns ``((B, T, S, N, K, H), MaskSpec, SegmentIds | None, Positions)``.
     """
-    from ringattn._checks import check_qkv
-    from ringattn._online_softmax import check_sinks
-
     dims = check_qkv(fn, q, k, v)
     B, T, S, N, K, H = dims
     spec = resolve_mask(
