@@ -111,7 +111,7 @@ class Summaries:
         if self.windows:
             live &= self.any_unbounded | (kmax > qmin - self.widest)
             full &= self.all_unbounded | (kmin > qmax - self.narrowest)
-        elif cfg.mask.window is not None:
+        elif cfg.mask.uniform_window is not None:
             live &= kmax > qmin - cfg.mask.uniform_window
             full &= kmin > qmax - cfg.mask.uniform_window
         if self.dense is not None:
@@ -145,7 +145,7 @@ def block_mask(cfg: KernelConfig, summ, windows, q_pos, kv_pos, q_seg, kv_seg, q
         bq, bk = qp.shape[1], kp.shape[-1]
         mask &= lax.dynamic_slice(summ.dense, (q_start, kv_start), (bq, bk))[None]
     if windows is None:
-        if spec.window is not None:
+        if spec.uniform_window is not None:
             mask &= kp > qp - spec.uniform_window
         return mask[:, None, None]
     w = windows[:, :, :, None, None]

@@ -134,25 +134,23 @@ def test_allocator_outputs_feed_the_cache_directly():
     """Trap 2: page table, lengths and copy plans (empty ones included) go straight in."""
     alloc = paged.PageAllocator(16, C, max_pages_per_seq=4)
     cache = paged.init_paged_cache(1, K, 16, C, H, batch=2, max_pages_per_seq=4)
-    prompt = list(range(1, 7))
-    alloc.admit("a", prompt)
-    cache = paged.with_page_table(cache, alloc.page_table(["a", "a"]), alloc.lengths(["a", "a"]))
-    assert cache.page_table.shape == (2, 4) and int(cache.lengths[0]) == 6
+    alloc.admit("a", list(range(1, 7)))
+    alloc.allocate("b", 3)
+    cache = paged.with_page_table(cache, alloc.page_table(["a", "b"]), alloc.lengths(["a", "b"]))
+    assert cache.page_table.shape == (2, 4) and cache.lengths.tolist() == [6, 3]
     alloc.commit("a")
-    plan = alloc.extend("a", 7, token_ids=[7])
+    plan = alloc.extend("a", 7, token_ids=[7])  # room in the last page: nothing to copy
     assert isinstance(plan, paged.CopyPlan)
     assert plan.src.shape == plan.dst.shape == (0,)
-    same = paged.copy_pages(cache, plan)  # the empty plan most extends return
+    same = paged.copy_pages(cache, plan)
     np.testing.assert_array_equal(np.asarray(same.k_pages), np.asarray(cache.k_pages))
-    plan = alloc.fork("a", "b")
-    cache = cache._replace(
-        k_pages=cache.k_pages.at[:, :, plan.src].set(1.0) if plan.src.size else cache.k_pages
-    )
-    copied = jax.jit(paged.copy_pages)(cache, plan)
-    if plan.src.size:
-        np.testing.assert_array_equal(
-            np.asarray(copied.k_pages[:, :, plan.dst]), np.asarray(copied.k_pages[:, :, plan.src])
-        )
+    plan = alloc.fork("a", "c")  # the partial last page is copied for the child
+    assert plan.src.size == 1
+    marked = cache.k_pages.at[:, :, plan.src].set(1.0)
+    copied = jax.jit(paged.copy_pages)(cache._replace(k_pages=marked), plan)
+    np.testing.assert_array_equal(np.asarray(copied.k_pages[:, :, plan.dst]), 1.0)
+    cache = paged.with_page_table(copied, alloc.page_table(["a", "c"]), alloc.lengths(["a", "c"]))
+    assert cache.lengths.tolist() == [7, 7]
 
 
 def test_results_have_one_shape_whatever_the_flags():

@@ -145,3 +145,14 @@ def test_options_travel_as_pytrees_under_jit():
     got = f(q, k, v, mask=MaskSpec(causal=True), segment_ids=seg, positions=pos)
     want = attention_reference(q, k, v, causal=True, positions=pos)
     assert_close(got.out, want.out, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("window", [(None, None, None, None), (3, 3, 3, 3)])
+def test_a_tuple_of_equal_windows_is_the_uniform_window(window):
+    """One entry per head, all equal (all None included): the same as the scalar window."""
+    q = jax.random.normal(jax.random.key(0), (1, 8, 4, 8))
+    kv = jax.random.normal(jax.random.key(1), (1, 8, 2, 8))
+    for fn in (attention_reference, blockwise_attention):
+        got = fn(q, kv, kv, causal=True, window=window).out
+        want = fn(q, kv, kv, causal=True, window=window[0]).out
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
