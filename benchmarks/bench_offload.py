@@ -14,21 +14,15 @@ overhead of the pool machinery over a raw memcpy, and in (b) prefetching can onl
 copy behind compute when a spare core is free; on a GPU the copy is a DMA over PCIe/NVLink
 that runs beside the kernels.
 
-Run: ``python benchmarks/bench_offload.py [--quick]``; writes ``benchmarks/results/offload.md``.
+Run from the repository root: ``python -m benchmarks.bench_offload [--quick]``; writes
+``benchmarks/results/offload.md`` (``--quick``: ``benchmarks/results/quick/offload.md``).
 """
-
-import argparse
-import os
-import sys
-import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import _common
 from offload import make_host_page_pool, page_in, page_out, prefetch_layer, to_host, wait
 from ringattn import merge_attention
 
@@ -41,11 +35,7 @@ except ImportError:  # pragma: no cover - depends on the state of paged
     ATTENTION = "contiguous ringattn.blockwise_attention over pages gathered per layer"
     from ringattn import blockwise_attention
 
-MiB = 2**20
-
-
-def _median(xs):
-    return float(np.median(xs))
+MiB = _common.MiB
 
 
 # ------------------------------------------------------------------------------------------
@@ -62,38 +52,39 @@ def bench_throughput(reps: int) -> list[str]:
     ids, slots = np.arange(1, n + 1), np.arange(n)
     source = np.random.default_rng(0).standard_normal(total // 4).astype(np.float32)
     target = np.empty_like(source)
-    times = {"memcpy": [], "page_out": [], "page_in": [], "fresh device_put": []}
     fresh_source = jax.jit(lambda: jnp.ones((total // 4,), jnp.float32))()
-    for rep in range(reps + 1):  # the first round compiles and warms up
-        t = time.perf_counter()
-        np.copyto(target, source)
-        memcpy = time.perf_counter() - t
-        t = time.perf_counter()
-        host, handle = page_out(host, k, v, ids, slots)
+    state = {"host": host, "k": k, "v": v}
+
+    def do_page_out():
+        state["host"], handle = page_out(state["host"], state["k"], state["v"], ids, slots)
         wait(handle)
-        out = time.perf_counter() - t
-        t = time.perf_counter()
-        k, v, handle = page_in(host, slots, k, v, ids[::-1])
+
+    def do_page_in():
+        state["k"], state["v"], handle = page_in(
+            state["host"], slots, state["k"], state["v"], ids[::-1]
+        )
         wait(handle)
-        back = time.perf_counter() - t
-        t = time.perf_counter()
-        fresh = to_host(fresh_source)
-        fresh.block_until_ready()
-        fresh_time = time.perf_counter() - t
-        del fresh
-        if rep:
-            times["memcpy"].append(memcpy)
-            times["page_out"].append(out)
-            times["page_in"].append(back)
-            times["fresh device_put"].append(fresh_time)
-    base, best_base = _median(times["memcpy"]), min(times["memcpy"])
+
+    def fresh_device_put():
+        to_host(fresh_source).block_until_ready()  # a new host buffer each time
+
+    timings = _common.time_interleaved(
+        {
+            "memcpy": lambda: np.copyto(target, source),
+            "page_out": do_page_out,
+            "page_in": do_page_in,
+            "fresh device_put": fresh_device_put,
+        },
+        repeats=reps,
+    )
+    base, best_base = timings["memcpy"].median, timings["memcpy"].best
     rows = [
         "| operation | median ms | GiB/s | vs memcpy, median (target >= 0.8x) | best ms "
         "| vs memcpy, best |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, ts in times.items():
-        t, best = _median(ts), min(ts)
+    for name, timing in timings.items():
+        t, best = timing.median, timing.best
         rows.append(
             f"| {name} | {t * 1e3:.1f} | {total / t / 2**30:.2f} | {base / t:.2f}x "
             f"| {best * 1e3:.1f} | {best_base / best:.2f}x |"
@@ -254,13 +245,9 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
         "host-to-device copies only (no attention)": transfer_only,
         "fresh-buffer prefetch (no staging buffers)": prefetched_fresh,
     }
-    times = {name: [] for name in modes}
-    for _ in range(reps):
-        for name, fn in modes.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    base = _median(times["all on device"])
+    # Every mode ran once above (the correctness check): that was the warm-up.
+    times = _common.time_interleaved(modes, repeats=reps, warmup=0)
+    base = times["all on device"].median
     layer_bytes = 2 * K * C * H * 4 * pages
     rows = [
         f"L={L} layers, K={K} kv heads, N={N} query heads, H={H}, C={C}, {seq_len} tokens "
@@ -270,24 +257,18 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
         "| mode | median ms / step | vs all on device (target prefetch <= 1.3x) |",
         "|---|---:|---:|",
     ]
-    for name, ts in times.items():
-        rows.append(f"| {name} | {_median(ts) * 1e3:.1f} | {_median(ts) / base:.2f}x |")
-    return rows, {name: _median(ts) / base for name, ts in times.items()}
+    for name, timing in times.items():
+        rows.append(f"| {name} | {timing.median * 1e3:.1f} | {timing.median / base:.2f}x |")
+    return rows, {name: timing.median / base for name, timing in times.items()}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions, shorter cache")
-    args = parser.parse_args()
+def main(argv=None):
+    args = _common.make_parser(__doc__).parse_args(argv)
+    run = _common.start_run("bench_offload", args, cpu_devices=1, argv=argv)
     reps = 3 if args.quick else 5
     seq_len = 4096 if args.quick else 16384
     lines = [
-        "# Offload tiers benchmark",
-        "",
-        f"Command: `python benchmarks/bench_offload.py{' --quick' if args.quick else ''}`; "
-        f"JAX {jax.__version__}, backend {jax.default_backend()}, "
-        f"{os.cpu_count()} CPU cores shared with other jobs (load average "
-        f"{os.getloadavg()[0]:.1f} at start). Median of {reps} runs after a warm-up.",
+        f"Median of {reps} interleaved runs after a warm-up.",
         "",
         "## (a) Page transfer throughput: 256 MiB in 16 MiB pages",
         "",
@@ -315,12 +296,7 @@ def main():
         "the sum rather than the max of the two. Timings on a shared machine vary by about 2x "
         "between runs; compare ratios within one run.",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "offload.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(text)
+    run.write("Offload tiers", lines)
 
 
 if __name__ == "__main__":
