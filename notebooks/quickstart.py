@@ -23,13 +23,34 @@
 # %%
 import sys
 
-if "google.colab" in sys.modules:  # Colab: install the library (and nothing else) first
+if "google.colab" in sys.modules:  # Colab: install the library first (it is not on PyPI)
+    import glob
     import os
     import subprocess
 
-    # The distribution name, or a git URL / wheel path of your copy of the repository.
-    spec = os.environ.get("JAX_LONGCTX_SPEC", "jax-longctx")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], check=True)
+    REPOSITORY = "https://github.com/jax-longctx/jax-longctx"  # pyproject.toml [project.urls]
+    HOW_TO_INSTALL = f"""jax-longctx is not on PyPI. Install it one of these ways, then rerun:
+  * from its repository: set JAX_LONGCTX_SPEC (or use the default)
+        jax-longctx @ git+{REPOSITORY}
+    (a fork or a branch: jax-longctx @ git+https://github.com/YOU/jax-longctx@BRANCH);
+  * from a wheel: in a clone run `pip wheel . --no-deps -w dist` (or `python -m build`),
+    upload dist/jax_longctx-*.whl to this Colab session (Files pane, into the working
+    directory), and rerun this cell: it installs the newest uploaded wheel."""
+    wheels = sorted(glob.glob("jax_longctx-*.whl"))
+    spec = os.environ.get("JAX_LONGCTX_SPEC") or (
+        wheels[-1] if wheels else f"jax-longctx @ git+{REPOSITORY}"
+    )
+    print(f"pip install {spec!r}")
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", spec], capture_output=True, text=True
+    )
+    if pip.returncode != 0:
+        said = [line.strip() for line in pip.stderr.splitlines() if line.strip()]
+        pip_said = next(
+            (line for line in said if line.startswith(("fatal:", "ERROR:"))),
+            said[-1] if said else "(no output)",
+        )
+        raise SystemExit(f"Installing {spec!r} failed: {pip_said}\n\n{HOW_TO_INSTALL}")
 
 # %%
 import os
@@ -297,9 +318,13 @@ assert err_exact < 1e-5
 
 # %% [markdown]
 # ## Summary
+#
+# What this notebook computed; with `QUICKSTART_RESULTS=path.json` set it also writes these
+# numbers there (the test suite checks them against its tolerances).
 
 # %%
-print("Summary")
+import json
+
 summary = {
     "blockwise forward error": err_fwd,
     "blockwise gradient error": err_grad,
@@ -307,7 +332,11 @@ summary = {
     "ring (8 devices) error": err_ring,
     "paged decode error": err_paged,
     "offload exact-decode error": err_exact,
+    "offload device-only relative error": rel_approx,
     "offload mass kept on device": kept,
 }
 for name, value in summary.items():
-    print(f"{name:>32}: {value:.2e}")
+    print(f"{name:>36}: {value:.2e}")
+if os.environ.get("QUICKSTART_RESULTS"):
+    with open(os.environ["QUICKSTART_RESULTS"], "w") as f:
+        json.dump(summary, f, indent=2)
