@@ -63,16 +63,15 @@ def setup_devices(cpu_devices: int = 1) -> None:
         ) from e
 
 
-def describe_machine() -> str:
-    """One line: cores, platform, device count, JAX version."""
+def describe_machine(*, devices: bool = True) -> str:
+    """One line: cores, and (``devices=True``) JAX's platform, device count and version."""
+    cores = f"{os.cpu_count()} CPU cores ({platform.machine()}), Python {platform.python_version()}"
+    if not devices:
+        return cores
     import jax
 
-    devices = jax.devices()
-    return (
-        f"{os.cpu_count()} CPU cores ({platform.machine()}), {len(devices)} "
-        f"{devices[0].platform.upper()} device(s), JAX {jax.__version__}, Python "
-        f"{platform.python_version()}"
-    )
+    found = jax.devices()
+    return f"{cores}, {len(found)} {found[0].platform.upper()} device(s), JAX {jax.__version__}"
 
 
 def load_average() -> float | None:
@@ -177,6 +176,7 @@ class Run:
     argv: list[str]
     out: pathlib.Path
     quick: bool
+    uses_devices: bool
     started: float
     load_start: float | None
 
@@ -192,7 +192,7 @@ class Run:
             "",
             f"Command (from the repository root): `{command_line(self.module, self.argv)}`",
             "",
-            f"Machine: {describe_machine()}. Finished {stamp} after "
+            f"Machine: {describe_machine(devices=self.uses_devices)}. Finished {stamp} after "
             f"{time.perf_counter() - self.started:.0f} s; host load average "
             f"{fmt(self.load_start)} at the start, {fmt(load_end)} at the end "
             "(a load above the core count means other jobs shared the cores: timings are noisy, "
@@ -241,6 +241,7 @@ def start_run(
         argv=list(sys.argv[1:] if argv is None else argv),
         out=pathlib.Path(out),
         quick=bool(args.quick),
+        uses_devices=cpu_devices is not None,
         started=time.perf_counter(),
         load_start=load_average(),
     )
