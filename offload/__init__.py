@@ -13,23 +13,26 @@ n     pages moved by one call
 
 Pools are ``k_pages, v_pages [L, K, P, C, H]`` (or ``[K, P, C, H]`` per layer); tiers are
 device memory, pinned host memory and disk.
+
+Transfers take their source first, then their destination, and all return a
+:class:`TransferHandle` whose ``value`` is what was written: ``to_host(tree)``,
+``to_device(tree)``, ``page_out(k_pages, v_pages, page_ids, host_pool, host_slots)``,
+``page_in(host_pool, host_slots, k_pages, v_pages, page_ids)``,
+``prefetch_layer(host_pool, host_slots, layer=l)``. Transfers are eager (host-side
+orchestration, not jittable); the policies, attention-mass helpers and
+:func:`mixed_residency_attention` are pure and jittable with their options bound
+(``jax.jit(functools.partial(select_keep, policy=policy))``).
 """
 
-from offload._disk import CorruptCacheError, DiskStore
-from offload._host_pool import (
-    HostPagePool,
-    make_host_page_pool,
-    page_in,
-    page_out,
-    prefetch_layer,
-)
-from offload._mixed import (
-    MixedAttention,
+from offload._attention_mass import (
     mass_kept_from_lse,
     mass_kept_from_page_mass,
-    mixed_residency_attention,
-    split_residency,
+    token_attention_mass,
 )
+from offload._disk import CorruptCacheError, DiskStore
+from offload._host_pool import HostPagePool, make_host_page_pool
+from offload._manager import OffloadManager
+from offload._mixed import MixedAttention, mixed_residency_attention, split_residency
 from offload._policies import (
     POLICY_KINDS,
     PolicyState,
@@ -39,25 +42,12 @@ from offload._policies import (
     init_policy_state,
     select_keep,
     select_keep_reference,
-    token_attention_mass,
     update_policy_state,
     update_policy_state_reference,
 )
-from offload._stats import (
-    DIRECTIONS,
-    TIERS,
-    OffloadManager,
-    OffloadStats,
-    TransferTotals,
-)
-from offload._tiers import (
-    TransferHandle,
-    host_memory_kind,
-    ready,
-    to_device,
-    to_host,
-    wait,
-)
+from offload._stats import DIRECTIONS, TIERS, OffloadStats, TransferTotals
+from offload._tiers import TransferHandle, host_memory_kind, ready, to_device, to_host, wait
+from offload._transfers import page_in, page_out, prefetch_layer
 
 __all__: list[str] = [
     # retention policies

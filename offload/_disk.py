@@ -1,10 +1,34 @@
 """The disk tier: named groups of arrays persisted to a directory, verified, under a budget.
 
-Format: one directory per entry, ``<root>/<key>/``, holding one raw ``<name>.bin`` file per
-array and a ``manifest.json`` with each array's dtype name, shape, byte count and sha256;
-``<root>/index.json`` lists the entries from least to most recently used with their sizes.
-Every file is written under a temporary name and renamed into place, so a crash never leaves
-a half-written entry that looks complete.
+Format (version 2)::
+
+    <root>/index.json             entries from least to most recently used, with their sizes
+    <root>/.lock                  the writers' lock file (fcntl.flock)
+    <root>/entries/<key>/         one directory per entry:
+        <name>.bin                  raw bytes of each array
+        manifest.json               each array's dtype name, shape, byte count and sha256
+    <root>/staging/               entries being written (renamed into entries/ when complete)
+
+Keys live in their own namespace (``entries/``), so no key can be mistaken for the index, the
+lock or a staging directory: every key that passes the key check (1-128 characters of
+``[A-Za-z0-9_.-]``, not ``.`` or ``..``) is usable, ``index.json`` included. Array files
+are written under a unique temporary name and renamed into place, and a whole entry is
+assembled under ``staging/`` and renamed into ``entries/`` only once complete, so a crash
+never leaves a half-written entry that looks complete.
+
+Concurrency guarantee: any number of threads and processes, each with its own
+:class:`DiskStore` objects on one directory (on a local POSIX file system, where
+``fcntl.flock`` works), may call :meth:`DiskStore.put`, :meth:`DiskStore.get` and
+:meth:`DiskStore.delete` at once. Every operation that reads or changes the index holds an
+exclusive lock on ``<root>/.lock`` and re-reads the index from disk under it, so no entry is
+lost, the LRU order is one global order, and the byte budget holds over all writers (the
+index never lists more than ``budget_bytes``; the files of an evicted or replaced entry are
+removed under the same lock). Reads (``keys``, ``in``, ``len``, ``nbytes``) see the latest
+committed index. The slow part of a put (writing and hashing the array bytes) happens before
+the lock is taken, so writers of different keys overlap their I/O. Two puts of one key: the
+later commit wins, whole. Without ``fcntl`` (not POSIX) only threads of one process are
+serialised (by a process-wide lock) and a single writing process must be enforced by the
+caller.
 
 Why not orbax-checkpoint: orbax is built for whole training states (tensorstore/OCDBT, async
 commit threads, multi-host coordination). A KV page group is a few small arrays written and
@@ -18,21 +42,37 @@ sha256 verification). Any missing, truncated or corrupted file raises :class:`Co
 naming the path; nothing is returned, so device and host tiers are never touched.
 """
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import shutil
+import threading
+import uuid
 from collections.abc import Mapping
 
 import jax
 import numpy as np
 
+from offload._checks import check_int
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None
+
 __all__ = ["CorruptCacheError", "DiskStore"]
 
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _INDEX = "index.json"
+_LOCK = ".lock"
+_ENTRIES = "entries"
+_STAGING = "staging"
 _MANIFEST = "manifest.json"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+# Serialises the threads of this process where fcntl is missing (flock already does).
+_PROCESS_LOCK = threading.RLock()
 
 
 class CorruptCacheError(ValueError):
@@ -40,7 +80,7 @@ class CorruptCacheError(ValueError):
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -58,18 +98,30 @@ def _read_json(path: str) -> dict:
         raise CorruptCacheError(f"disk cache file unreadable: {path}: {e}") from e
 
 
-def _check_key(fn: str, key) -> str:
+def _check_key(fn: str, key, what: str = "key") -> str:
     if not isinstance(key, str) or not _KEY.match(key) or key in (".", ".."):
-        raise ValueError(f"{fn}: key: expected 1-128 characters of [A-Za-z0-9_.-], got {key!r}")
+        raise ValueError(
+            f"{fn}: {what}: expected 1-128 characters of [A-Za-z0-9_.-] (not '.' or '..'), "
+            f"got {key!r}"
+        )
     return key
+
+
+def _host_array(value) -> np.ndarray:
+    """A C-contiguous numpy copy-free view of ``value`` with its shape (0-d stays 0-d)."""
+    array = np.asarray(value)
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")
+    return array
 
 
 class DiskStore:
     """A directory of named array groups with LRU eviction under a byte budget.
 
     Host-side bookkeeping (plain Python); arrays go in as numpy or ``jax.Array`` and come
-    back as numpy, ready for :func:`~offload.to_host` / ``jax.device_put``. A fresh process
-    opening the same directory sees every entry.
+    back as numpy with their dtype and shape (0-d included), ready for ``jax.device_put``. A
+    fresh process opening the same directory sees every entry. Safe for concurrent writers
+    (threads, store objects and processes on one directory): see the module docs.
 
     Args:
       directory: root directory (created if missing).
@@ -88,52 +140,85 @@ class DiskStore:
       (4, 8)
     """
 
-    def __init__(self, directory: str | os.PathLike, *, budget_bytes: int | None = None):
-        if budget_bytes is not None and (
-            isinstance(budget_bytes, bool)
-            or not isinstance(budget_bytes, (int, np.integer))
-            or budget_bytes < 1
-        ):
-            raise ValueError(
-                f"DiskStore: budget_bytes: expected a positive int or None, got {budget_bytes!r}"
-            )
+    def __init__(
+        self, directory: str | os.PathLike, *, budget_bytes: int | np.integer | None = None
+    ):
+        if budget_bytes is not None:
+            budget_bytes = check_int("DiskStore", "budget_bytes", budget_bytes, low=1)
         self.directory = os.fspath(directory)
-        self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
-        os.makedirs(self.directory, exist_ok=True)
-        self._sizes: dict[str, int] = {}  # least recently used first
-        index_path = os.path.join(self.directory, _INDEX)
-        if os.path.exists(index_path):
-            index = _read_json(index_path)
-            entries = index.get("entries") if isinstance(index, dict) else None
-            if not isinstance(entries, list) or not all(
-                isinstance(e, list) and len(e) == 2 for e in entries
-            ):
-                raise CorruptCacheError(f"disk cache index malformed: {index_path}")
-            self._sizes = {str(key): int(size) for key, size in entries}
+        self.budget_bytes = budget_bytes
+        os.makedirs(os.path.join(self.directory, _ENTRIES), exist_ok=True)
+        os.makedirs(os.path.join(self.directory, _STAGING), exist_ok=True)
+        with self._locked():
+            sizes = self._load_index()
+            # Directories that no committed index lists (a crash between rename and index
+            # write cannot happen under the lock, but a foreign file can): removed, so the
+            # budget counts everything on disk.
+            for name in os.listdir(os.path.join(self.directory, _ENTRIES)):
+                if name not in sizes:
+                    self._remove_dir(os.path.join(self.directory, _ENTRIES, name))
 
-    # -- bookkeeping -------------------------------------------------------------------------
-    def _save_index(self) -> None:
-        entries = [[key, size] for key, size in self._sizes.items()]
+    # -- locking and the index ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self):
+        with _PROCESS_LOCK:
+            if fcntl is None:  # pragma: no cover - not POSIX
+                yield
+                return
+            with open(os.path.join(self.directory, _LOCK), "a+b") as f:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def _load_index(self) -> dict[str, int]:
+        """The committed index, least recently used first (call under the lock)."""
+        index_path = os.path.join(self.directory, _INDEX)
+        if not os.path.exists(index_path):
+            return {}
+        index = _read_json(index_path)
+        entries = index.get("entries") if isinstance(index, dict) else None
+        if not isinstance(entries, list) or not all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) for e in entries
+        ):
+            raise CorruptCacheError(f"disk cache index malformed: {index_path}")
+        return {key: int(size) for key, size in entries}
+
+    def _save_index(self, sizes: dict[str, int]) -> None:
+        entries = [[key, size] for key, size in sizes.items()]
         data = json.dumps({"version": _FORMAT_VERSION, "entries": entries}).encode()
         _write_atomic(os.path.join(self.directory, _INDEX), data)
 
-    def _touch(self, key: str) -> None:
-        self._sizes[key] = self._sizes.pop(key)
+    def _sizes(self) -> dict[str, int]:
+        with self._locked():
+            return self._load_index()
 
+    def _entry_dir(self, key: str) -> str:
+        return os.path.join(self.directory, _ENTRIES, key)
+
+    @staticmethod
+    def _remove_dir(path: str) -> None:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+    # -- queries ------------------------------------------------------------------------------
     def keys(self) -> list[str]:
         """Entry keys from least to most recently used."""
-        return list(self._sizes)
+        return list(self._sizes())
 
     def __contains__(self, key) -> bool:
-        return key in self._sizes
+        return key in self._sizes()
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self._sizes())
 
     @property
     def nbytes(self) -> int:
         """Total array bytes stored (manifests excluded)."""
-        return sum(self._sizes.values())
+        return sum(self._sizes().values())
 
     def entry_nbytes(self, key: str) -> int:
         """Array bytes of one entry.
@@ -142,13 +227,14 @@ class DiskStore:
           ValueError: if ``key`` is not stored.
         """
         _check_key("DiskStore.entry_nbytes", key)
-        if key not in self._sizes:
+        sizes = self._sizes()
+        if key not in sizes:
             raise ValueError(f"DiskStore.entry_nbytes: key: no entry {key!r} in {self.directory}")
-        return self._sizes[key]
+        return sizes[key]
 
     def path(self, key: str) -> str:
         """The directory of entry ``key``."""
-        return os.path.join(self.directory, _check_key("DiskStore.path", key))
+        return self._entry_dir(_check_key("DiskStore.path", key))
 
     # -- writing -----------------------------------------------------------------------------
     def put(self, key: str, arrays: Mapping[str, "np.ndarray | jax.Array"]) -> int:
@@ -156,8 +242,9 @@ class DiskStore:
 
         Args:
           key: entry name, 1-128 characters of ``[A-Za-z0-9_.-]``.
-          arrays: a non-empty mapping from array names (same character set) to arrays of
-            any shape and dtype, e.g. ``{"k": [L, K, n, C, H], "v": [L, K, n, C, H]}``.
+          arrays: a non-empty mapping from array names (same character set, ``manifest``
+            reserved) to arrays of any shape (0-d included) and dtype, e.g.
+            ``{"k": [L, K, n, C, H], "v": [L, K, n, C, H]}``.
 
         Returns:
           The bytes of array data written.
@@ -172,53 +259,53 @@ class DiskStore:
             raise ValueError(f"{fn}: arrays: expected a non-empty mapping, got {arrays!r}")
         hosted = {}
         for name, value in arrays.items():
-            _check_key(fn, name)
+            _check_key(fn, name, "arrays")
             if name == _MANIFEST.removesuffix(".json"):
-                raise ValueError(f"{fn}: arrays: name {name!r} is reserved")
-            hosted[name] = np.ascontiguousarray(np.asarray(value))
+                raise ValueError(
+                    f"{fn}: arrays: expected names other than the reserved 'manifest', got {name!r}"
+                )
+            hosted[name] = _host_array(value)
         total = sum(a.nbytes for a in hosted.values())
         if self.budget_bytes is not None and total > self.budget_bytes:
             raise ValueError(
                 f"{fn}: arrays: expected at most budget_bytes={self.budget_bytes} bytes, "
                 f"got {total}"
             )
-        entry = os.path.join(self.directory, key)
-        if key in self._sizes:
-            self._delete_files(key)
-        os.makedirs(entry, exist_ok=True)
-        manifest = {"version": _FORMAT_VERSION, "arrays": {}}
-        for name, array in hosted.items():
-            data = array.tobytes()
-            _write_atomic(os.path.join(entry, f"{name}.bin"), data)
-            manifest["arrays"][name] = {
-                "dtype": array.dtype.name,
-                "shape": list(array.shape),
-                "nbytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        # The manifest is written last: an entry without one was never completed.
-        _write_atomic(os.path.join(entry, _MANIFEST), json.dumps(manifest).encode())
-        self._sizes.pop(key, None)
-        self._sizes[key] = total
-        self._evict(keep=key)
-        self._save_index()
+        # The slow part, outside the lock: a complete entry in its own staging directory.
+        staging = os.path.join(self.directory, _STAGING, f"{os.getpid()}-{uuid.uuid4().hex}")
+        os.makedirs(staging)
+        try:
+            manifest = {"version": _FORMAT_VERSION, "arrays": {}}
+            for name, array in hosted.items():
+                data = array.tobytes()
+                _write_atomic(os.path.join(staging, f"{name}.bin"), data)
+                manifest["arrays"][name] = {
+                    "dtype": array.dtype.name,
+                    "shape": list(array.shape),
+                    "nbytes": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                }
+            _write_atomic(os.path.join(staging, _MANIFEST), json.dumps(manifest).encode())
+            with self._locked():
+                sizes = self._load_index()
+                entry = self._entry_dir(key)
+                self._remove_dir(entry)
+                os.replace(staging, entry)
+                sizes.pop(key, None)
+                sizes[key] = total
+                self._evict(sizes, keep=key)
+                self._save_index(sizes)
+        finally:
+            self._remove_dir(staging)
         return total
 
-    def _evict(self, *, keep: str) -> None:
+    def _evict(self, sizes: dict[str, int], *, keep: str) -> None:
         if self.budget_bytes is None:
             return
-        while self.nbytes > self.budget_bytes:
-            oldest = next(k for k in self._sizes if k != keep)
-            self._delete_files(oldest)
-            del self._sizes[oldest]
-
-    def _delete_files(self, key: str) -> None:
-        entry = os.path.join(self.directory, key)
-        if not os.path.isdir(entry):
-            return
-        for name in os.listdir(entry):
-            os.remove(os.path.join(entry, name))
-        os.rmdir(entry)
+        while sum(sizes.values()) > self.budget_bytes:
+            oldest = next(k for k in sizes if k != keep)
+            self._remove_dir(self._entry_dir(oldest))
+            del sizes[oldest]
 
     def delete(self, key: str) -> None:
         """Removes entry ``key``.
@@ -227,11 +314,13 @@ class DiskStore:
           ValueError: if ``key`` is invalid or not stored.
         """
         _check_key("DiskStore.delete", key)
-        if key not in self._sizes:
-            raise ValueError(f"DiskStore.delete: key: no entry {key!r} in {self.directory}")
-        self._delete_files(key)
-        del self._sizes[key]
-        self._save_index()
+        with self._locked():
+            sizes = self._load_index()
+            if key not in sizes:
+                raise ValueError(f"DiskStore.delete: key: no entry {key!r} in {self.directory}")
+            self._remove_dir(self._entry_dir(key))
+            del sizes[key]
+            self._save_index(sizes)
 
     # -- reading -----------------------------------------------------------------------------
     def get(self, key: str) -> dict[str, np.ndarray]:
@@ -250,9 +339,17 @@ class DiskStore:
         """
         fn = "DiskStore.get"
         _check_key(fn, key)
-        if key not in self._sizes:
-            raise ValueError(f"{fn}: key: no entry {key!r} in {self.directory}")
-        entry = os.path.join(self.directory, key)
+        with self._locked():
+            sizes = self._load_index()
+            if key not in sizes:
+                raise ValueError(f"{fn}: key: no entry {key!r} in {self.directory}")
+            out = self._read_entry(key)
+            sizes[key] = sizes.pop(key)
+            self._save_index(sizes)
+        return out
+
+    def _read_entry(self, key: str) -> dict[str, np.ndarray]:
+        entry = self._entry_dir(key)
         manifest_path = os.path.join(entry, _MANIFEST)
         manifest = _read_json(manifest_path)
         specs = manifest.get("arrays") if isinstance(manifest, dict) else None
@@ -285,6 +382,4 @@ class DiskStore:
             if hashlib.sha256(raw).hexdigest() != digest:
                 raise CorruptCacheError(f"disk cache file corrupted (sha256 mismatch): {path}")
             out[name] = array
-        self._touch(key)
-        self._save_index()
         return out

@@ -19,16 +19,12 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from offload._attention_mass import mass_kept_from_lse
+from offload._checks import check_array, check_lengths, check_table
 from paged import paged_attention
 from ringattn import merge_attention
 
-__all__ = [
-    "MixedAttention",
-    "mass_kept_from_lse",
-    "mass_kept_from_page_mass",
-    "mixed_residency_attention",
-    "split_residency",
-]
+__all__ = ["MixedAttention", "mixed_residency_attention", "split_residency"]
 
 
 class MixedAttention(NamedTuple):
@@ -49,15 +45,6 @@ class MixedAttention(NamedTuple):
     lse: Float[Array, "B T N"]
     mass_kept: Float[Array, "B T N"] | None
     page_mass: Float[Array, "B N M"] | None = None
-
-
-def _check_table(fn: str, name: str, table, shape=None):
-    if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.integer):
-        raise ValueError(
-            f"{fn}: {name} must be an int [B, M] page table, got {table.dtype} {table.shape}"
-        )
-    if shape is not None and table.shape != shape:
-        raise ValueError(f"{fn}: {name} must have shape {shape}, got {table.shape}")
 
 
 def split_residency(
@@ -86,78 +73,17 @@ def split_residency(
       ([[3, 0, 0]], [[0, 5, 0]])
     """
     fn = "split_residency"
-    _check_table(fn, "page_table", page_table)
+    check_table(fn, "page_table", page_table)
     for name, m in (("keep", keep), ("demote", demote)):
         if m.shape != page_table.shape or m.dtype != jnp.bool_:
             raise ValueError(
-                f"{fn}: {name} must be bool {page_table.shape}, got {m.dtype} {m.shape}"
+                f"{fn}: {name}: expected bool {tuple(page_table.shape)}, got {m.dtype} "
+                f"{tuple(m.shape)}"
             )
     zero = jnp.zeros_like(page_table)
     device = jnp.where(keep, page_table, zero)
     cold = jnp.where(demote & ~keep, page_table, zero)
     return device, cold
-
-
-def mass_kept_from_lse(
-    lse_kept: Float[Array, "*R"], lse_full: Float[Array, "*R"]
-) -> Float[Array, "*R"]:
-    """Fraction of the attention mass in the kept keys: ``exp(lse_kept - lse_full)``.
-
-    Args:
-      lse_kept: log-sum-exp over the kept keys (``-inf`` when none).
-      lse_full: log-sum-exp over all keys (``>= lse_kept``), same shape.
-
-    Returns:
-      float32 in ``[0, 1]``; 1 where the row has no key at all (nothing was lost).
-
-    Raises:
-      ValueError: if the shapes differ.
-
-    Example:
-      >>> float(mass_kept_from_lse(jnp.log(jnp.array(0.25)), jnp.array(0.0)))
-      0.25
-    """
-    if lse_kept.shape != lse_full.shape:
-        raise ValueError(
-            f"mass_kept_from_lse: lse_kept shape {lse_kept.shape} != lse_full {lse_full.shape}"
-        )
-    lse_kept = lse_kept.astype(jnp.float32)
-    lse_full = lse_full.astype(jnp.float32)
-    empty = jnp.isneginf(lse_full)
-    frac = jnp.exp(lse_kept - jnp.where(empty, 0.0, lse_full))
-    return jnp.where(empty, 1.0, jnp.clip(frac, 0.0, 1.0))
-
-
-def mass_kept_from_page_mass(
-    page_mass: Float[Array, "B N M"], keep: Bool[Array, "B M"]
-) -> Float[Array, "B N"]:
-    """Fraction of an observed attention mass that falls on kept slots.
-
-    Args:
-      page_mass: ``[B, N, M]`` attention mass per query head and page-table slot (the
-        ``page_mass`` of a paged attention over all pages, e.g. the previous step's).
-      keep: ``[B, M]`` bool kept slots.
-
-    Returns:
-      ``[B, N]`` float32 in ``[0, 1]``; 1 where the observed mass is 0.
-
-    Raises:
-      ValueError: if ``page_mass`` is not ``[B, N, M]`` with ``keep``'s ``B`` and ``M``.
-
-    Example:
-      >>> pm = jnp.array([[[0.5, 0.25, 0.25]]])
-      >>> mass_kept_from_page_mass(pm, jnp.array([[True, False, True]])).tolist()
-      [[0.75]]
-    """
-    if page_mass.ndim != 3 or keep.ndim != 2 or page_mass.shape[::2] != keep.shape:
-        raise ValueError(
-            "mass_kept_from_page_mass: page_mass must be [B, N, M] and keep [B, M], "
-            f"got {page_mass.shape} and {keep.shape}"
-        )
-    page_mass = page_mass.astype(jnp.float32)
-    total = jnp.sum(page_mass, axis=-1)
-    kept = jnp.sum(jnp.where(keep[:, None, :], page_mass, 0.0), axis=-1)
-    return jnp.where(total > 0, kept / jnp.where(total > 0, total, 1.0), 1.0)
 
 
 def mixed_residency_attention(
@@ -224,42 +150,56 @@ def mixed_residency_attention(
       ((1, 1, 2, 8), True)
     """
     fn = "mixed_residency_attention"
-    if q.ndim != 4:
-        raise ValueError(f"{fn}: q must be [B, T, N, H], got shape {q.shape}")
-    B, T, N, H = q.shape
-    if k_pages.ndim != 4 or k_pages.shape[3] != H:
-        raise ValueError(f"{fn}: k_pages must be [K, P, C, H={H}], got shape {k_pages.shape}")
+    B, T, N, H = check_array(fn, "q", q, ndim=4, kind=jnp.floating, layout="[B, T, N, H]")
+    K, P, C, _ = check_array(
+        fn, "k_pages", k_pages, ndim=4, kind=jnp.floating, layout=f"[K, P, C, H={H}]"
+    )
+    if k_pages.shape[3] != H:
+        raise ValueError(f"{fn}: k_pages: expected [K, P, C, H={H}], got {tuple(k_pages.shape)}")
     if v_pages.shape != k_pages.shape:
         raise ValueError(
-            f"{fn}: v_pages must have k_pages' shape {k_pages.shape}, got {v_pages.shape}"
+            f"{fn}: v_pages: expected k_pages' shape {tuple(k_pages.shape)}, "
+            f"got {tuple(v_pages.shape)}"
         )
-    K = k_pages.shape[0]
-    if N % K:
-        raise ValueError(f"{fn}: q heads N={N} must be a multiple of kv heads K={K}")
-    _check_table(fn, "device_table", device_table)
+    if H == 0 or C == 0 or P == 0:
+        raise ValueError(
+            f"{fn}: k_pages: expected non-zero P, C and H, got shape {tuple(k_pages.shape)}"
+        )
+    if K == 0 or N % K:
+        raise ValueError(
+            f"{fn}: q: expected a number of heads N={N} that kv heads K={K} divide (K >= 1)"
+        )
+    check_table(fn, "device_table", device_table)
     if device_table.shape[0] != B:
-        raise ValueError(f"{fn}: device_table must have B={B} rows, got {device_table.shape}")
-    if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"{fn}: lengths must be int [B={B}], got {lengths.dtype} {lengths.shape}")
+        raise ValueError(
+            f"{fn}: device_table: expected B={B} rows, got shape {tuple(device_table.shape)}"
+        )
+    check_lengths(fn, lengths, B)
     if (cold_k_pages is None) != (cold_v_pages is None):
-        raise ValueError(f"{fn}: cold_k_pages and cold_v_pages must be given together")
+        raise ValueError(
+            f"{fn}: cold_v_pages: expected cold_k_pages and cold_v_pages given together, got "
+            f"only {'cold_k_pages' if cold_v_pages is None else 'cold_v_pages'}"
+        )
     if cold_table is None and cold_k_pages is not None:
-        raise ValueError(f"{fn}: cold_k_pages/cold_v_pages given without a cold_table")
+        raise ValueError(
+            f"{fn}: cold_table: expected a cold_table with cold_k_pages/cold_v_pages, got None"
+        )
     if cold_table is not None:
-        _check_table(fn, "cold_table", cold_table, device_table.shape)
+        check_table(fn, "cold_table", cold_table, device_table.shape)
         if cold_k_pages is None:
             cold_k_pages, cold_v_pages = k_pages, v_pages
-        for name, pool in (
-            ("cold_k_pages", cold_k_pages),
-            ("cold_v_pages", cold_v_pages),
-        ):
+        for name, pool in (("cold_k_pages", cold_k_pages), ("cold_v_pages", cold_v_pages)):
             if pool.shape != k_pages.shape:
-                raise ValueError(f"{fn}: {name} must have shape {k_pages.shape}, got {pool.shape}")
+                raise ValueError(
+                    f"{fn}: {name}: expected shape {tuple(k_pages.shape)}, got {tuple(pool.shape)}"
+                )
     lengths = lengths.astype(jnp.int32)
     if q_positions is None:
         q_positions = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
     elif q_positions.shape != (B, T):
-        raise ValueError(f"{fn}: q_positions must be [B={B}, T={T}], got {q_positions.shape}")
+        raise ValueError(
+            f"{fn}: q_positions: expected shape [B={B}, T={T}], got {tuple(q_positions.shape)}"
+        )
     if return_page_mass and cold_table is not None and T != 1:
         raise NotImplementedError(
             f"{fn}: return_page_mass with a cold part needs T == 1 (each query's mass is "

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ringattn import attention_mask
+from offload._checks import check_choice, check_float, check_int, check_lengths, is_int
 
 __all__ = [
     "POLICY_KINDS",
@@ -71,7 +71,6 @@ __all__ = [
     "init_policy_state",
     "select_keep",
     "select_keep_reference",
-    "token_attention_mass",
     "update_policy_state",
     "update_policy_state_reference",
 ]
@@ -81,10 +80,6 @@ _SCORED_KINDS = ("h2o", "snapkv", "tova")
 # Fractions are turned into num / den with den <= _MAX_DENOMINATOR, so the budget of n live
 # units is the exact integer ceil(num * n / den), identical in jnp (int32) and numpy.
 _MAX_DENOMINATOR = 1000
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,62 +113,70 @@ class RetentionPolicy:
     """
 
     kind: str
-    budget: int | float
+    budget: int | float | np.integer | np.floating
     granularity: str = "page"
-    page_size: int | None = None
-    sink: int = 0
-    recent: int = 0
-    pool_size: int = 1
+    page_size: int | np.integer | None = None
+    sink: int | np.integer = 0
+    recent: int | np.integer = 0
+    pool_size: int | np.integer = 1
     pool: str = "max"
     head_reduce: str = "sum"
 
     def __post_init__(self):
         p = "RetentionPolicy"
-        if self.kind not in POLICY_KINDS:
-            raise ValueError(f"{p}: kind must be one of {POLICY_KINDS}, got {self.kind!r}")
+        check_choice(p, "kind", self.kind, POLICY_KINDS)
         b = self.budget
-        if _is_int(b):
-            if b < 0:
-                raise ValueError(f"{p}: budget count must be >= 0, got {b}")
+        if is_int(b):
+            budget = check_int(p, "budget", b, low=0)
         elif isinstance(b, (float, np.floating)):
-            if not 0.0 < b <= 1.0:
-                raise ValueError(f"{p}: budget fraction must be in (0, 1], got {b}")
+            budget = check_float(p, "budget", b, low=0.0, high=1.0, low_open=True)
         else:
             raise ValueError(
-                f"{p}: budget must be an int count or a float fraction, got {type(b).__name__}"
+                f"{p}: budget: expected an int count >= 0 or a float fraction in (0, 1], "
+                f"got {type(b).__name__} {b!r}"
             )
-        if self.granularity not in ("page", "token"):
-            raise ValueError(
-                f"{p}: granularity must be 'page' or 'token', got {self.granularity!r}"
-            )
+        check_choice(p, "granularity", self.granularity, ("page", "token"))
+        page_size = None
         if self.granularity == "page":
-            if not (_is_int(self.page_size) and self.page_size >= 1):
+            if self.page_size is None:
                 raise ValueError(
-                    f"{p}: page_size must be an int >= 1 for granularity='page', "
-                    f"got {self.page_size!r}"
+                    f"{p}: page_size: expected an int >= 1 for granularity='page', got None"
                 )
+            page_size = check_int(p, "page_size", self.page_size, low=1)
         elif self.page_size is not None:
             raise ValueError(
-                f"{p}: page_size must be None for granularity='token', got {self.page_size!r}"
+                f"{p}: page_size: expected None for granularity='token', got {self.page_size!r}"
             )
-        for name in ("sink", "recent"):
-            v = getattr(self, name)
-            if not (_is_int(v) and v >= 0):
-                raise ValueError(f"{p}: {name} must be an int >= 0, got {v!r}")
-        if self.kind == "recency" and self.sink:
-            raise ValueError(f"{p}: sink must be 0 for kind='recency' (use 'streaming')")
-        if self.kind in ("recency", "streaming") and self.recent:
+        sink = check_int(p, "sink", self.sink, low=0)
+        recent = check_int(p, "recent", self.recent, low=0)
+        if self.kind == "recency" and sink:
             raise ValueError(
-                f"{p}: recent must be 0 for kind={self.kind!r} (its budget is all recent)"
+                f"{p}: sink: expected 0 for kind='recency' (use 'streaming'), got {sink}"
             )
-        if not (_is_int(self.pool_size) and self.pool_size >= 1 and self.pool_size % 2 == 1):
-            raise ValueError(f"{p}: pool_size must be an odd int >= 1, got {self.pool_size!r}")
-        if self.pool_size > 1 and not self.uses_scores:
-            raise ValueError(f"{p}: pool_size > 1 needs a scored kind, got {self.kind!r}")
-        if self.pool not in ("max", "avg"):
-            raise ValueError(f"{p}: pool must be 'max' or 'avg', got {self.pool!r}")
-        if self.head_reduce not in ("sum", "max"):
-            raise ValueError(f"{p}: head_reduce must be 'sum' or 'max', got {self.head_reduce!r}")
+        if self.kind in ("recency", "streaming") and recent:
+            raise ValueError(
+                f"{p}: recent: expected 0 for kind={self.kind!r} (its budget is all recent), "
+                f"got {recent}"
+            )
+        pool_size = check_int(p, "pool_size", self.pool_size, low=1)
+        if pool_size % 2 == 0:
+            raise ValueError(f"{p}: pool_size: expected an odd int >= 1, got {pool_size}")
+        if pool_size > 1 and not self.uses_scores:
+            raise ValueError(
+                f"{p}: pool_size: expected 1 for kind={self.kind!r} (pooling needs a scored "
+                f"kind), got {pool_size}"
+            )
+        check_choice(p, "pool", self.pool, ("max", "avg"))
+        check_choice(p, "head_reduce", self.head_reduce, ("sum", "max"))
+        # Normalised to Python scalars: equal policies hash equal whatever types came in.
+        for name, value in (
+            ("budget", budget),
+            ("page_size", page_size),
+            ("sink", sink),
+            ("recent", recent),
+            ("pool_size", pool_size),
+        ):
+            object.__setattr__(self, name, value)
 
     @property
     def uses_scores(self) -> bool:
@@ -183,7 +186,7 @@ class RetentionPolicy:
     @property
     def budget_fraction(self) -> tuple[int, int] | None:
         """``(num, den)`` of a fractional budget, None for a count."""
-        if _is_int(self.budget):
+        if is_int(self.budget):
             return None
         f = fractions.Fraction(float(self.budget)).limit_denominator(_MAX_DENOMINATOR)
         return f.numerator, f.denominator
@@ -214,13 +217,27 @@ class Selection(NamedTuple):
     drop: Bool[Array, "B U"]
 
 
-def budget_units(policy: RetentionPolicy, n_live: Int[Array, "*B"] | int) -> Int[Array, "*B"]:
-    """The number of units kept out of ``n_live`` (jnp int array or numpy/int), capped by it.
+def budget_units(
+    policy: RetentionPolicy, n_live: Int[Array | np.ndarray, "*B"] | int | np.integer
+) -> Int[Array | np.ndarray, "*B"] | int:
+    """The number of units kept out of ``n_live`` live units, capped by it.
+
+    Jittable (``policy`` is static: ``jax.jit(functools.partial(budget_units, policy))``).
+
+    Args:
+      policy: the :class:`RetentionPolicy`.
+      n_live: live units per sequence: a jnp int array (traced or not), a numpy array, or an
+        int.
+
+    Returns:
+      The kept counts: a jnp ``int32`` array for a jnp input, a numpy ``int32`` array for a
+      numpy input, a Python ``int`` for an int.
 
     Example:
       >>> int(budget_units(RetentionPolicy("recency", 0.2, page_size=4), 11))
       3
     """
+    scalar = is_int(n_live)
     xp = jnp if isinstance(n_live, jax.Array) else np
     n_live = xp.asarray(n_live, dtype=np.int32)
     frac = policy.budget_fraction
@@ -229,16 +246,22 @@ def budget_units(policy: RetentionPolicy, n_live: Int[Array, "*B"] | int) -> Int
     else:
         num, den = frac
         k = (n_live * num + (den - 1)) // den
-    return xp.minimum(k, n_live)
+    k = xp.minimum(k, n_live)
+    return int(k) if scalar else k
 
 
 def _check_policy(fn: str, policy) -> None:
     if not isinstance(policy, RetentionPolicy):
-        raise ValueError(f"{fn}: policy must be a RetentionPolicy, got {type(policy).__name__}")
+        raise ValueError(f"{fn}: policy: expected a RetentionPolicy, got {type(policy).__name__}")
 
 
-def init_policy_state(batch_size: int, num_units: int, *, policy: RetentionPolicy) -> PolicyState:
+def init_policy_state(
+    batch_size: int | np.integer, num_units: int | np.integer, *, policy: RetentionPolicy
+) -> PolicyState:
     """Zero scores for ``batch_size`` sequences of ``num_units`` units.
+
+    The sizes are static: jit it with them bound,
+    ``jax.jit(functools.partial(init_policy_state, 2, 8, policy=policy))``.
 
     Args:
       batch_size: ``B >= 1``.
@@ -259,16 +282,18 @@ def init_policy_state(batch_size: int, num_units: int, *, policy: RetentionPolic
     """
     fn = "init_policy_state"
     _check_policy(fn, policy)
-    for name, v in (("batch_size", batch_size), ("num_units", num_units)):
-        if not (_is_int(v) and v >= 1):
-            raise ValueError(f"{fn}: {name} must be an int >= 1, got {v!r}")
-    return PolicyState(scores=jnp.zeros((int(batch_size), int(num_units)), jnp.float32))
+    batch_size = check_int(fn, "batch_size", batch_size, low=1)
+    num_units = check_int(fn, "num_units", num_units, low=1)
+    return PolicyState(scores=jnp.zeros((batch_size, num_units), jnp.float32))
 
 
 def update_policy_state(
     state: PolicyState, mass: Float[Array, "B N U"], *, policy: RetentionPolicy
 ) -> PolicyState:
     """Folds one observation of attention mass into the state.
+
+    Jittable with the policy bound: ``jax.jit(functools.partial(update_policy_state,
+    policy=policy))`` (or ``jax.jit(update_policy_state, static_argnames="policy")``).
 
     Args:
       state: the current :class:`PolicyState` (``scores [B, U]``).
@@ -295,7 +320,7 @@ def update_policy_state(
     _check_policy(fn, policy)
     B, U = state.scores.shape
     if mass.ndim != 3 or mass.shape[0] != B or mass.shape[2] != U:
-        raise ValueError(f"{fn}: mass must have shape [B={B}, N, U={U}], got {tuple(mass.shape)}")
+        raise ValueError(f"{fn}: mass: expected shape [B={B}, N, U={U}], got {tuple(mass.shape)}")
     if not policy.uses_scores:
         return state
     return PolicyState(
@@ -325,13 +350,6 @@ def _update_impl(scores, mass, *, accumulate, pool_size, pool, head_reduce):
     return scores + reduced if accumulate else reduced
 
 
-def _check_lengths(fn, lengths, B):
-    if lengths.ndim != 1 or lengths.shape[0] != B:
-        raise ValueError(f"{fn}: lengths must have shape [B={B}], got {tuple(lengths.shape)}")
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"{fn}: lengths must be integer, got {lengths.dtype}")
-
-
 def _units_by_length(policy: RetentionPolicy, lengths):
     if policy.granularity == "page":
         return (lengths + policy.page_size - 1) // policy.page_size
@@ -349,7 +367,9 @@ def select_keep(
 ) -> Selection:
     """Selects the units each sequence keeps on the device; the rest are demoted or dropped.
 
-    Static shapes throughout (``jit`` with ``policy`` and ``mode`` static). Exactly
+    Static shapes throughout: jit it with the options bound,
+    ``jax.jit(functools.partial(select_keep, policy=policy, mode="drop"))`` (or
+    ``static_argnames=("policy", "mode")``). Exactly
     ``budget_units(policy, n_live)`` units are kept per unpinned sequence (``n_live`` = its
     live units), all live units for a pinned one; the order is described in the module
     docstring and is deterministic (ties go to the later unit).
@@ -380,21 +400,25 @@ def select_keep(
     """
     fn = "select_keep"
     _check_policy(fn, policy)
-    if mode not in ("demote", "drop"):
-        raise ValueError(f"{fn}: mode must be 'demote' or 'drop', got {mode!r}")
+    check_choice(fn, "mode", mode, ("demote", "drop"))
     scores = state.scores
     B, U = scores.shape
-    _check_lengths(fn, lengths, B)
+    check_lengths(fn, lengths, B)
     if page_table is not None:
         if policy.granularity != "page":
-            raise ValueError(f"{fn}: page_table needs granularity='page', got 'token'")
+            raise ValueError(
+                f"{fn}: page_table: expected None for granularity='token' (tables are for "
+                "granularity='page'), got a table"
+            )
         if page_table.shape != (B, U) or not jnp.issubdtype(page_table.dtype, jnp.integer):
             raise ValueError(
-                f"{fn}: page_table must be int [B={B}, U={U}], "
+                f"{fn}: page_table: expected int [B={B}, U={U}], "
                 f"got {page_table.dtype} {tuple(page_table.shape)}"
             )
     if pinned is not None and (pinned.shape != (B,) or pinned.dtype != jnp.bool_):
-        raise ValueError(f"{fn}: pinned must be bool [B={B}], got {pinned.dtype} {pinned.shape}")
+        raise ValueError(
+            f"{fn}: pinned: expected bool [B={B}], got {pinned.dtype} {tuple(pinned.shape)}"
+        )
 
     frac = policy.budget_fraction
     num, den = (int(policy.budget), 0) if frac is None else frac
@@ -494,80 +518,3 @@ def select_keep_reference(
             evicted[b, u] = True
     none = np.zeros((B, U), bool)
     return (keep, evicted, none) if mode == "demote" else (keep, none, evicted)
-
-
-# --------------------------------------------------------------------------- token mass
-
-
-def token_attention_mass(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    lengths: Int[Array, " B"],
-    *,
-    q_positions: Int[Array, "B T"] | None = None,
-    causal: bool = True,
-    scale: float | None = None,
-) -> Float[Array, "B N S"]:
-    """Dense attention probability per query head and key token, summed over the queries.
-
-    The token-granular counterpart of ``paged_attention``'s ``page_mass``, for contiguous KV
-    (``T x S`` logits are built: keep it to observation windows and small shapes).
-
-    Args:
-      q: ``[B, T, N, H]`` queries (the observation window, or the last query).
-      k: ``[B, S, K, H]`` keys, ``N % K == 0``; keys at index ``>= lengths[b]`` are ignored.
-      lengths: ``[B]`` int valid keys per sequence.
-      q_positions: ``[B, T]`` int positions, default ``lengths - T + arange(T)`` (the last
-        ``T`` tokens).
-      causal: a query at position ``p`` sees keys at positions ``<= p``.
-      scale: logit scale, default ``1 / sqrt(H)``.
-
-    Returns:
-      ``[B, N, S]`` float32; each query row that sees a key contributes total mass 1.
-
-    Raises:
-      ValueError: on inconsistent shapes or dtypes.
-
-    Example:
-      >>> q = jnp.ones((1, 2, 2, 4)); k = jnp.ones((1, 5, 1, 4))
-      >>> token_attention_mass(q, k, jnp.array([4])).sum(-1).tolist()
-      [[2.0, 2.0]]
-    """
-    fn = "token_attention_mass"
-    if q.ndim != 4 or k.ndim != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"{fn}: q must be [B, T, N, H] and k [B, S, K, H] with matching B and H, "
-            f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
-        )
-    B, T, N, H = q.shape
-    _, S, K, _ = k.shape
-    if N % K:
-        raise ValueError(f"{fn}: q heads N={N} must be a multiple of k heads K={K}")
-    _check_lengths(fn, lengths, B)
-    lengths = lengths.astype(jnp.int32)
-    if q_positions is None:
-        q_positions = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None]
-    elif q_positions.shape != (B, T):
-        raise ValueError(f"{fn}: q_positions must be [B={B}, T={T}], got {q_positions.shape}")
-    scale = float(scale) if scale is not None else 1.0 / float(np.sqrt(H))
-    return _token_mass_impl(
-        q, k, lengths, q_positions.astype(jnp.int32), causal=causal, scale=scale
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("causal", "scale"))
-def _token_mass_impl(q, k, lengths, q_positions, *, causal, scale):
-    B, T, N, H = q.shape
-    _, S, K, _ = k.shape
-    kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
-    mask = attention_mask(q_positions, kv_pos, causal=causal)  # [B, T, S]
-    mask &= kv_pos[:, None, :] < lengths[:, None, None]
-    G = N // K
-    qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qf, k.astype(jnp.float32)) * scale
-    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)  # [B, K, G, T, S]
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    p = jnp.exp(logits - jnp.where(jnp.isneginf(m), 0.0, m))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0.0, 1.0, denom)
-    return jnp.sum(p, axis=3).reshape(B, N, S)  # [B, K, G, S] -> [B, N, S]

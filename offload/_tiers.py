@@ -7,8 +7,11 @@ them; each array keeps its sharding (a multi-device ``NamedSharding`` included) 
 only its memory kind, so values are bit-exact.
 
 Transfers are asynchronous: ``jax.device_put`` returns at once and the data lands later.
-:class:`TransferHandle` wraps the arrays of one transfer, :func:`ready` polls them with
-``jax.Array.is_ready`` and :func:`wait` blocks until they have landed.
+Every transfer of ``offload`` (:func:`to_host`, :func:`to_device` and the page transfers
+``page_out``, ``page_in``, ``prefetch_layer``) takes its source first and its destination
+after, and returns one :class:`TransferHandle` whose ``value`` is what was written;
+:func:`ready` polls it with ``jax.Array.is_ready`` and :func:`wait` blocks until it has
+landed and returns ``value``.
 
 On CPU, "device" and "host" memory are the same DRAM: a transfer is a memcpy, so the numbers
 measured on CPU bound the bookkeeping overhead, not PCIe bandwidth.
@@ -86,25 +89,33 @@ def _check_leaves(fn: str, tree) -> list[jax.Array]:
     return [leaf for _, leaf in leaves]
 
 
-def to_host(tree: Any, *, memory_kind: str | None = None) -> Any:
+def to_host(
+    tree: Any, *, memory_kind: str | None = None, request_id: str | None = None
+) -> "TransferHandle":
     """Copies every array of ``tree`` to host memory, keeping its sharding (asynchronous).
+
+    Not jittable (``jit(..., out_shardings=...)`` with a host memory kind is the in-graph
+    equivalent); call it eagerly.
 
     Args:
       tree: a pytree of ``jax.Array`` leaves of any shape and dtype, e.g. ``k_pages
         [L, K, P, C, H]``.
       memory_kind: ``"pinned_host"`` or ``"unpinned_host"``; ``None`` picks
         :func:`host_memory_kind` of each leaf's devices.
+      request_id: recorded on the handle for accounting.
 
     Returns:
-      A pytree of the same structure; each leaf has the same shape, dtype, values and
-      sharding (up to its memory kind). The call returns before the copies complete.
+      A :class:`TransferHandle` (``direction="device_to_host"``, ``nbytes`` the bytes of all
+      leaves) whose ``value`` is a pytree of the same structure; each leaf has the same
+      shape, dtype, values and sharding (up to its memory kind). The call returns before the
+      copies complete.
 
     Raises:
       ValueError: if a leaf is not a ``jax.Array``, ``memory_kind`` is not a host kind, or a
         device has no host memory kind.
 
     Example:
-      >>> h = to_host({"k": jnp.ones((2, 4, 8, 16))})
+      >>> h = wait(to_host({"k": jnp.ones((2, 4, 8, 16))}))
       >>> h["k"].sharding.memory_kind
       'pinned_host'
     """
@@ -120,24 +131,30 @@ def to_host(tree: Any, *, memory_kind: str | None = None) -> Any:
     ]
     treedef = jax.tree_util.tree_structure(tree)
     moved = jax.device_put(leaves, shardings)
-    return jax.tree_util.tree_unflatten(treedef, moved)
+    nbytes = sum(leaf.nbytes for leaf in leaves)
+    value = jax.tree_util.tree_unflatten(treedef, moved)
+    return TransferHandle(value, "device_to_host", nbytes, request_id=request_id)
 
 
-def to_device(tree: Any) -> Any:
+def to_device(tree: Any, *, request_id: str | None = None) -> "TransferHandle":
     """Copies every array of ``tree`` to device memory, keeping its sharding (asynchronous).
 
+    Not jittable; call it eagerly.
+
     Args:
-      tree: a pytree of ``jax.Array`` leaves, typically returned by :func:`to_host`.
+      tree: a pytree of ``jax.Array`` leaves, typically ``wait(to_host(...))``.
+      request_id: recorded on the handle for accounting.
 
     Returns:
-      A pytree of the same structure, each leaf in its devices' default memory kind with the
-      same sharding otherwise. The call returns before the copies complete.
+      A :class:`TransferHandle` (``direction="host_to_device"``) whose ``value`` is a pytree
+      of the same structure, each leaf in its devices' default memory kind with the same
+      sharding otherwise. The call returns before the copies complete.
 
     Raises:
       ValueError: if a leaf is not a ``jax.Array``.
 
     Example:
-      >>> d = to_device(to_host(jnp.ones(3)))
+      >>> d = wait(to_device(wait(to_host(jnp.ones(3)))))
       >>> d.sharding.memory_kind
       'device'
     """
@@ -148,12 +165,20 @@ def to_device(tree: Any) -> Any:
     ]
     treedef = jax.tree_util.tree_structure(tree)
     moved = jax.device_put(leaves, shardings)
-    return jax.tree_util.tree_unflatten(treedef, moved)
+    nbytes = sum(leaf.nbytes for leaf in leaves)
+    value = jax.tree_util.tree_unflatten(treedef, moved)
+    return TransferHandle(value, "host_to_device", nbytes, request_id=request_id)
 
 
 @dataclasses.dataclass(frozen=True)
 class TransferHandle:
-    """One asynchronous transfer in flight (host-side bookkeeping, not a pytree).
+    """One asynchronous transfer in flight: the one result type of every offload transfer.
+
+    Host-side bookkeeping, not a pytree. :func:`to_host`, :func:`to_device`,
+    :func:`~offload.page_out`, :func:`~offload.page_in` and :func:`~offload.prefetch_layer`
+    all return one; ``value`` is what the transfer wrote (a host pytree, a device pytree, the
+    new :class:`~offload.HostPagePool`, the new ``(k_pages, v_pages)``, the prefetched
+    ``(k, v)``), so ``k, v = handle.value`` unpacks every page transfer alike.
 
     Attributes:
       value: the pytree of destination arrays; valid to use at once (JAX orders later
@@ -198,7 +223,7 @@ def ready(handle: TransferHandle) -> bool:
       ValueError: if ``handle`` is not a :class:`TransferHandle`.
 
     Example:
-      >>> h = TransferHandle(to_host(jnp.ones(3)), "device_to_host", 12)
+      >>> h = to_host(jnp.ones(3))
       >>> _ = wait(h); ready(h)
       True
     """
@@ -220,7 +245,7 @@ def wait(handle: TransferHandle) -> Any:
       ValueError: if ``handle`` is not a :class:`TransferHandle`.
 
     Example:
-      >>> wait(TransferHandle(to_host(jnp.ones(3)), "device_to_host", 12)).shape
+      >>> wait(to_host(jnp.ones(3))).shape
       (3,)
     """
     _check_handle("wait", handle)

@@ -16,23 +16,28 @@ L     layers
 
 Host side: ``PageAllocator`` (free list, reference counts, prefix caching, copy-on-write
 forks, metrics) produces the ``page_table [B, M] int32`` and ``lengths [B] int32`` that the
-device side consumes.
+device side consumes through :func:`with_page_table`, and the :class:`CopyPlan` that
+:func:`copy_pages` runs (empty plans included). A sequence's life cycle is
+admit -> write -> commit -> extend/fork -> free; ``commit`` is what lets its pages serve
+prefix-cache hits, and ``stats()`` shows what still waits for one.
+
+Page 0 is our reserved null page; JAX's and vLLM's page tables use page 0 as an ordinary
+page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages).
 """
 
-from paged._allocator import NULL_PAGE, Admission, AllocatorStats, OutOfPages, PageAllocator
+from paged._allocator import Admission, PageAllocator
 from paged._attention import DEFAULT_PAGES_PER_BLOCK, paged_attention, ragged_paged_attention
 from paged._cache import (
     PagedKVCache,
     advance,
     append,
-    copy_pages,
     gather_kv,
     init_paged_cache,
-    validate,
-    validate_page_table,
+    with_page_table,
     write,
     write_layer,
 )
+from paged._copy import CopyPlan, copy_pages
 from paged._device_alloc import (
     FreePageStack,
     ensure_next_page,
@@ -41,12 +46,16 @@ from paged._device_alloc import (
     push_pages,
     taken_pages,
 )
+from paged._metrics import AllocatorStats
+from paged._pool import NULL_PAGE, OutOfPages
 from paged._sharded import sharded_paged_attention
+from paged._validate import from_zero_based_table, validate, validate_page_table
 
 __all__ = [
     "NULL_PAGE",
     "Admission",
     "AllocatorStats",
+    "CopyPlan",
     "OutOfPages",
     "PageAllocator",
     "DEFAULT_PAGES_PER_BLOCK",
@@ -56,6 +65,7 @@ __all__ = [
     "append",
     "copy_pages",
     "ensure_next_page",
+    "from_zero_based_table",
     "gather_kv",
     "init_paged_cache",
     "make_free_stack",
@@ -67,6 +77,7 @@ __all__ = [
     "taken_pages",
     "validate",
     "validate_page_table",
+    "with_page_table",
     "write",
     "write_layer",
 ]

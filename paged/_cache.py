@@ -9,12 +9,18 @@ A model's step writes layer ``l``'s new KV with :func:`write_layer` and attends 
 :func:`advance` moves ``lengths`` on by ``T``. :func:`append` and :func:`write` do both for
 all layers at once (one decode token; a prefill chunk).
 
+The host allocator's page table and lengths enter the cache through :func:`with_page_table`
+(never ``cache._replace``); its copy plans through :func:`paged.copy_pages`.
+
 Writes are scatters with ``mode="drop"``: a token whose slot is past the table, at a negative
 position, or whose page is the null page 0 or an out-of-range id is silently dropped, never
 written into page 0 or another page. Which pages a sequence owns is the host allocator's
 business (:mod:`paged`'s ``PageAllocator``) or the on-device free stack's
-(:func:`paged.ensure_next_page`); this module only moves data. :func:`validate` checks a cache
-eagerly and loudly.
+(:func:`paged.ensure_next_page`); this module only moves data. :func:`paged.validate` checks a
+cache eagerly and loudly.
+
+Every function here is jittable as it is (``jax.jit(write)``); ``gather_kv`` takes its layer
+as a static argument (``jax.jit(gather_kv, static_argnums=1)``).
 """
 
 import functools
@@ -25,18 +31,20 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from paged._checks import check_array, describe, int_option, is_int, layer_index
+
 __all__ = [
     "PagedKVCache",
     "advance",
     "append",
-    "copy_pages",
     "gather_kv",
     "init_paged_cache",
-    "validate",
-    "validate_page_table",
+    "with_page_table",
     "write",
     "write_layer",
 ]
+
+IntScalar = int | np.integer
 
 
 class PagedKVCache(NamedTuple):
@@ -66,20 +74,14 @@ class PagedKVCache(NamedTuple):
         return self.page_table.shape[1] * self.k_pages.shape[3]
 
 
-def _positive_int(fn: str, name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{fn}: {name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def init_paged_cache(
-    num_layers: int,
-    num_kv_heads: int,
-    num_pages: int,
-    page_size: int,
-    head_dim: int,
-    batch: int,
-    max_pages_per_seq: int,
+    num_layers: IntScalar,
+    num_kv_heads: IntScalar,
+    num_pages: IntScalar,
+    page_size: IntScalar,
+    head_dim: IntScalar,
+    batch: IntScalar,
+    max_pages_per_seq: IntScalar,
     dtype=jnp.float32,
 ) -> PagedKVCache:
     """An empty cache: zero pools, every table slot on the null page, lengths 0.
@@ -106,15 +108,19 @@ def init_paged_cache(
       ((2, 1, 8, 4, 16), 12)
     """
     fn = "init_paged_cache"
-    L = _positive_int(fn, "num_layers", num_layers)
-    K = _positive_int(fn, "num_kv_heads", num_kv_heads)
-    P = _positive_int(fn, "num_pages", num_pages, 2)
-    C = _positive_int(fn, "page_size", page_size)
-    H = _positive_int(fn, "head_dim", head_dim)
-    B = _positive_int(fn, "batch", batch)
-    M = _positive_int(fn, "max_pages_per_seq", max_pages_per_seq)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{fn}: dtype must be a float dtype, got {dtype}")
+    L = int_option(fn, "num_layers", num_layers, minimum=1)
+    K = int_option(fn, "num_kv_heads", num_kv_heads, minimum=1)
+    P = int_option(fn, "num_pages", num_pages, minimum=2)
+    C = int_option(fn, "page_size", page_size, minimum=1)
+    H = int_option(fn, "head_dim", head_dim, minimum=1)
+    B = int_option(fn, "batch", batch, minimum=1)
+    M = int_option(fn, "max_pages_per_seq", max_pages_per_seq, minimum=1)
+    try:
+        floating = jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"{fn}: dtype: expected a float dtype, got {dtype!r}")
     pool = jnp.zeros((L, K, P, C, H), dtype)
     return PagedKVCache(
         k_pages=pool,
@@ -131,25 +137,28 @@ def _check_kv(fn: str, cache: PagedKVCache, k, v, *, per_layer: bool):
     lead = () if per_layer else (L,)
     for name, x in (("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise ValueError(f"{fn}: {name} must be an array, got {type(x).__name__}")
+            raise ValueError(f"{fn}: {name}: expected an array, got {type(x).__name__}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{fn}: {name}: expected a floating point array, got {describe(x)}")
     if k.shape != v.shape:
-        raise ValueError(f"{fn}: k and v must have the same shape, got {k.shape} and {v.shape}")
+        raise ValueError(f"{fn}: v: expected the shape of k {k.shape}, got {v.shape}")
     if k.ndim == len(lead) + 3:  # one token: [(L,) B, K, H]
         k, v = k[..., None, :, :], v[..., None, :, :]
     if k.ndim != len(lead) + 4 or k.shape[: len(lead) + 1] != (*lead, B) or k.shape[-2:] != (K, H):
         want = "[B, T, K, H] or [B, K, H]" if per_layer else "[L, B, T, K, H] or [L, B, K, H]"
         raise ValueError(
-            f"{fn}: k/v must have shape {want} with L={L}, B={B}, K={K}, H={H}; got {k.shape}"
+            f"{fn}: k: expected shape {want} with L={L}, B={B}, K={K}, H={H}, got {k.shape}"
         )
     return k.astype(cache.k_pages.dtype), v.astype(cache.v_pages.dtype)
 
 
-def _start_positions(fn: str, start, B: int):
+def _start_positions(fn: str, start, B: int, name: str = "start"):
+    if isinstance(start, (bool, np.bool_)) or not (is_int(start) or hasattr(start, "dtype")):
+        raise ValueError(f"{fn}: {name}: expected an int or shape ({B},) ints, got {start!r}")
     start = jnp.asarray(start)
     if not jnp.issubdtype(start.dtype, jnp.integer) or start.shape not in ((), (B,)):
         raise ValueError(
-            f"{fn}: start must be an int scalar or shape ({B},) ints, got shape "
-            f"{tuple(start.shape)} dtype {start.dtype}"
+            f"{fn}: {name}: expected an int or shape ({B},) ints, got {describe(start)}"
         )
     return jnp.broadcast_to(start.astype(jnp.int32), (B,))
 
@@ -172,16 +181,17 @@ def _target_pages(cache: PagedKVCache, start, T: int):
 
 def write_layer(
     cache: PagedKVCache,
-    layer: Int[Array, ""] | int,
-    k: Float[Array, "B T K H"],
-    v: Float[Array, "B T K H"],
-    start: Int[Array, " B"] | int,
+    layer: Int[Array, ""] | IntScalar,
+    k: Float[Array, "B T K H"] | Float[Array, "B K H"],
+    v: Float[Array, "B T K H"] | Float[Array, "B K H"],
+    start: Int[Array, " B"] | Int[Array, ""] | IntScalar,
 ) -> PagedKVCache:
     """Writes one layer's KV for positions ``start ... start + T - 1``; lengths unchanged.
 
     Args:
       cache: the cache.
-      layer: layer index (int or traced scalar; out of range drops the write).
+      layer: layer index: an int in ``[0, L)`` or an integer 0-d array (traced: out of range
+        drops the write). A float is a ``ValueError``, never truncated.
       k: ``[B, T, K, H]`` keys (or ``[B, K, H]`` for one token).
       v: ``[B, T, K, H]`` values (or ``[B, K, H]``).
       start: ``[B]`` or scalar int position of the first token, e.g. ``cache.lengths``.
@@ -190,16 +200,17 @@ def write_layer(
       The updated cache. Tokens without a real page are dropped (see module docs).
 
     Raises:
-      ValueError: on shapes that do not match the cache.
+      ValueError: on shapes that do not match the cache, or a bad ``layer``.
 
     Example:
       >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
-      >>> cache = cache._replace(page_table=jnp.array([[3, 1]]))
+      >>> cache = with_page_table(cache, jnp.array([[3, 1]]))
       >>> cache = write_layer(cache, 0, jnp.ones((1, 3, 1, 8)), jnp.ones((1, 3, 1, 8)), 0)
       >>> float(cache.k_pages[0, 0, 1, 0, 0]), float(cache.k_pages[0, 0, 1, 1, 0])
       (1.0, 0.0)
     """
     fn = "write_layer"
+    layer = layer_index(fn, layer, cache.k_pages.shape[0], traced_ok=True)
     k, v = _check_kv(fn, cache, k, v, per_layer=True)
     B, T = k.shape[:2]
     start = _start_positions(fn, start, B)
@@ -217,7 +228,7 @@ def _write_layer_impl(cache, layer, k, v, start):
     return cache._replace(k_pages=k_pages, v_pages=v_pages)
 
 
-def advance(cache: PagedKVCache, n: Int[Array, " B"] | int) -> PagedKVCache:
+def advance(cache: PagedKVCache, n: Int[Array, " B"] | Int[Array, ""] | IntScalar) -> PagedKVCache:
     """Adds ``n`` (scalar or ``[B]``) to ``lengths``, clipped to ``[0, capacity]``.
 
     Raises:
@@ -227,12 +238,14 @@ def advance(cache: PagedKVCache, n: Int[Array, " B"] | int) -> PagedKVCache:
       >>> advance(init_paged_cache(1, 1, 4, 2, 8, batch=2, max_pages_per_seq=2), 3).lengths
       Array([3, 3], dtype=int32)
     """
-    n = _start_positions("advance", n, cache.lengths.shape[0])
+    n = _start_positions("advance", n, cache.lengths.shape[0], "n")
     return cache._replace(lengths=jnp.clip(cache.lengths + n, 0, cache.capacity))
 
 
 def append(
-    cache: PagedKVCache, k: Float[Array, "L B K H"], v: Float[Array, "L B K H"]
+    cache: PagedKVCache,
+    k: Float[Array, "L B K H"] | Float[Array, "L B 1 K H"],
+    v: Float[Array, "L B K H"] | Float[Array, "L B 1 K H"],
 ) -> PagedKVCache:
     """Writes one decode token per sequence for every layer at ``lengths``, then advances by 1.
 
@@ -251,22 +264,24 @@ def append(
 
     Example:
       >>> cache = init_paged_cache(2, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
-      >>> cache = append(cache._replace(page_table=jnp.array([[2, 0]])),
+      >>> cache = append(with_page_table(cache, jnp.array([[2, 0]])),
       ...                jnp.ones((2, 1, 1, 8)), jnp.ones((2, 1, 1, 8)))
       >>> cache.lengths
       Array([1], dtype=int32)
     """
     k, v = _check_kv("append", cache, k, v, per_layer=False)
     if k.shape[2] != 1:
-        raise ValueError(f"append: k/v must hold one token per sequence, got T={k.shape[2]}")
+        raise ValueError(
+            f"append: k: expected one token per sequence [L, B, K, H], got T={k.shape[2]}"
+        )
     return write(cache, k, v, cache.lengths)
 
 
 def write(
     cache: PagedKVCache,
-    k: Float[Array, "L B T K H"],
-    v: Float[Array, "L B T K H"],
-    start: Int[Array, " B"] | int,
+    k: Float[Array, "L B T K H"] | Float[Array, "L B K H"],
+    v: Float[Array, "L B T K H"] | Float[Array, "L B K H"],
+    start: Int[Array, " B"] | Int[Array, ""] | IntScalar,
 ) -> PagedKVCache:
     """Writes a chunk for every layer at ``start ... start + T - 1`` (prefill).
 
@@ -286,7 +301,7 @@ def write(
 
     Example:
       >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
-      >>> cache = cache._replace(page_table=jnp.array([[2, 3]]))
+      >>> cache = with_page_table(cache, jnp.array([[2, 3]]))
       >>> write(cache, jnp.ones((1, 1, 3, 1, 8)), jnp.ones((1, 1, 3, 1, 8)), 0).lengths
       Array([3], dtype=int32)
     """
@@ -309,23 +324,23 @@ def _write_impl(cache, k, v, start):
 
 
 def gather_kv(
-    cache: PagedKVCache, layer: int
+    cache: PagedKVCache, layer: IntScalar
 ) -> tuple[Float[Array, "B S K H"], Float[Array, "B S K H"]]:
     """Contiguous ``k, v [B, M * C, K, H]`` of one layer (for tests and debugging).
 
     Tokens at positions ``>= lengths`` or on a null / out-of-range page are zeros.
 
+    Jit with the layer static: ``jax.jit(gather_kv, static_argnums=1)``.
+
     Raises:
-      ValueError: if ``layer`` is not a valid int layer index.
+      ValueError: if ``layer`` is not an int in ``[0, L)`` (a float is never truncated).
 
     Example:
       >>> k, v = gather_kv(init_paged_cache(1, 2, 4, 2, 8, batch=3, max_pages_per_seq=2), 0)
       >>> k.shape
       (3, 4, 2, 8)
     """
-    L, K, P, C, H = cache.k_pages.shape
-    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < L:
-        raise ValueError(f"gather_kv: layer must be an int in [0, {L}), got {layer!r}")
+    layer = layer_index("gather_kv", layer, cache.k_pages.shape[0], traced_ok=False)
     return _gather_kv_impl(cache, layer)
 
 
@@ -347,126 +362,53 @@ def _gather_kv_impl(cache, layer):
     return one(cache.k_pages), one(cache.v_pages)
 
 
-def copy_pages(cache: PagedKVCache, src: Int[Array, " n"], dst: Int[Array, " n"]) -> PagedKVCache:
-    """Copies pages ``src[i] -> dst[i]`` in every layer's pools (copy-on-write forks).
+def with_page_table(
+    cache: PagedKVCache,
+    page_table: Int[Array | np.ndarray, "B M"],
+    lengths: Int[Array | np.ndarray, " B"] | None = None,
+) -> PagedKVCache:
+    """The cache with a new page table (and lengths): the hand-off from the host allocator.
 
-    Pairs whose ``dst`` is the null page or out of range are dropped; an invalid ``src``
-    copies zeros. The page table is not changed.
-
-    Raises:
-      ValueError: if ``src`` and ``dst`` are not 1-D int arrays of one length.
-
-    Example:
-      >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
-      >>> cache = cache._replace(k_pages=cache.k_pages.at[:, :, 1].set(5.0))
-      >>> float(copy_pages(cache, jnp.array([1]), jnp.array([3])).k_pages[0, 0, 3, 0, 0])
-      5.0
-    """
-    src, dst = jnp.asarray(src), jnp.asarray(dst)
-    if (
-        src.ndim != 1
-        or src.shape != dst.shape
-        or not jnp.issubdtype(src.dtype, jnp.integer)
-        or not jnp.issubdtype(dst.dtype, jnp.integer)
-    ):
-        raise ValueError(
-            f"copy_pages: src and dst must be 1-D int arrays of one length, got src "
-            f"{tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype}"
-        )
-    return _copy_pages_impl(cache, src, dst)
-
-
-@jax.jit
-def _copy_pages_impl(cache, src, dst):
-    P = cache.k_pages.shape[2]
-    src_ok = (src > 0) & (src < P)
-    dst = jnp.where((dst > 0) & (dst < P), dst, P)
-
-    def one(pool):
-        data = jnp.take(pool, jnp.where(src_ok, src, 0), axis=2)  # [L, K, n, C, H]
-        data = jnp.where(src_ok[None, None, :, None, None], data, jnp.zeros((), pool.dtype))
-        return pool.at[:, :, dst].set(data, mode="drop")
-
-    return cache._replace(k_pages=one(cache.k_pages), v_pages=one(cache.v_pages))
-
-
-def validate_page_table(
-    page_table: Int[Array, "B M"], lengths: Int[Array, " B"], *, num_pages: int, page_size: int
-) -> None:
-    """Eagerly checks a page table against a pool; raises on anything unsafe or inconsistent.
-
-    Checks: ids in ``[0, num_pages)``; ``0 <= lengths <= M * page_size``; every slot holding
-    a valid token (``j < ceil(lengths / C)``) names a real page (not the null page 0); no page
-    appears twice among one sequence's used slots. (Sharing a page across sequences is legal:
-    prefix caching and forks do it.)
+    ``paged.PageAllocator.page_table(seqs)`` and ``.lengths(seqs)`` (numpy int32) go in as
+    they are; the pools are untouched. Jittable as it is (``jax.jit(with_page_table)``).
+    Only shapes are checked; :func:`paged.validate` checks the ids eagerly.
 
     Args:
-      page_table: ``[B, M]`` int page ids (concrete, not traced).
-      lengths: ``[B]`` int lengths.
-      num_pages: ``P``, pool size including the null page.
-      page_size: ``C``.
+      cache: the cache.
+      page_table: ``[B, M]`` int page ids, the cache's shape (numpy or jax).
+      lengths: ``[B]`` int lengths; ``None`` keeps ``cache.lengths`` (e.g. after the device
+        advanced them and the host only added pages).
+
+    Returns:
+      The cache with ``page_table`` and ``lengths`` replaced, as int32.
 
     Raises:
-      ValueError: naming the first offending sequence and slot.
+      ValueError: if ``page_table`` is not ``[B, M]`` ints of the cache's shape, or
+        ``lengths`` not ``[B]`` ints.
 
     Example:
-      >>> validate_page_table(jnp.array([[1, 0]]), jnp.array([2]), num_pages=4, page_size=2)
+      >>> from paged import PageAllocator
+      >>> alloc = PageAllocator(8, 2, max_pages_per_seq=3)
+      >>> _ = alloc.allocate("a", 3)
+      >>> cache = init_paged_cache(1, 1, 8, 2, 4, batch=1, max_pages_per_seq=3)
+      >>> cache = with_page_table(cache, alloc.page_table(["a"]), alloc.lengths(["a"]))
+      >>> cache.page_table.tolist(), cache.lengths.tolist()
+      ([[1, 2, 0]], [3])
     """
-    fn = "validate_page_table"
-    table = np.asarray(page_table)
-    lens = np.asarray(lengths)
-    if table.ndim != 2 or lens.shape != (table.shape[0],):
+    fn = "with_page_table"
+    check_array(fn, "page_table", page_table, 2, jnp.integer)
+    if tuple(page_table.shape) != tuple(cache.page_table.shape):
         raise ValueError(
-            f"{fn}: expected page_table [B, M] and lengths [B], got {table.shape} and {lens.shape}"
+            f"{fn}: page_table: expected the cache's shape [B, M] = "
+            f"{tuple(cache.page_table.shape)}, got {describe(page_table)}"
         )
-    B, M = table.shape
-    bad = np.argwhere((table < 0) | (table >= num_pages))
-    if bad.size:
-        b, j = bad[0]
+    if lengths is None:
+        lengths = cache.lengths
+    check_array(fn, "lengths", lengths, 1, jnp.integer)
+    if tuple(lengths.shape) != tuple(cache.lengths.shape):
         raise ValueError(
-            f"{fn}: page_table[{b}, {j}] = {table[b, j]} is out of range [0, {num_pages})"
+            f"{fn}: lengths: expected shape {tuple(cache.lengths.shape)}, got {describe(lengths)}"
         )
-    for b in range(B):
-        if not 0 <= lens[b] <= M * page_size:
-            raise ValueError(
-                f"{fn}: lengths[{b}] = {lens[b]} is outside [0, {M * page_size}] (capacity)"
-            )
-        used = table[b, : -(-int(lens[b]) // page_size)]
-        null = np.flatnonzero(used == 0)
-        if null.size:
-            raise ValueError(
-                f"{fn}: sequence {b} has {lens[b]} tokens but slot {null[0]} is the null page 0"
-            )
-        ids, counts = np.unique(used, return_counts=True)
-        if np.any(counts > 1):
-            raise ValueError(f"{fn}: sequence {b} uses page {ids[counts > 1][0]} twice")
-
-
-def validate(cache: PagedKVCache) -> None:
-    """Eagerly checks a cache's shapes and page table (see :func:`validate_page_table`).
-
-    Raises:
-      ValueError: on inconsistent shapes, out-of-range ids, lengths over capacity, a null page
-        inside a sequence, or a page used twice by one sequence.
-
-    Example:
-      >>> validate(init_paged_cache(1, 1, 4, 2, 8, batch=2, max_pages_per_seq=2))
-    """
-    if not isinstance(cache, PagedKVCache):
-        raise ValueError(f"validate: expected a PagedKVCache, got {type(cache).__name__}")
-    if cache.k_pages.ndim != 5 or cache.k_pages.shape != cache.v_pages.shape:
-        raise ValueError(
-            f"validate: k_pages and v_pages must both be [L, K, P, C, H], got "
-            f"{cache.k_pages.shape} and {cache.v_pages.shape}"
-        )
-    if cache.page_table.ndim != 2 or cache.lengths.shape != (cache.page_table.shape[0],):
-        raise ValueError(
-            f"validate: expected page_table [B, M] and lengths [B], got "
-            f"{cache.page_table.shape} and {cache.lengths.shape}"
-        )
-    validate_page_table(
-        cache.page_table,
-        cache.lengths,
-        num_pages=cache.k_pages.shape[2],
-        page_size=cache.k_pages.shape[3],
+    return cache._replace(
+        page_table=jnp.asarray(page_table, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32)
     )

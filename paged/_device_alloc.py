@@ -29,6 +29,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from paged._cache import PagedKVCache
+from paged._checks import int_option
 
 __all__ = [
     "FreePageStack",
@@ -52,7 +53,11 @@ class FreePageStack(NamedTuple):
     top: Int[Array, ""]
 
 
-def make_free_stack(free_ids, *, capacity: int | None = None) -> FreePageStack:
+def make_free_stack(
+    free_ids: Int[np.ndarray | Array, " n"] | list[int] | tuple[int, ...],
+    *,
+    capacity: int | np.integer | None = None,
+) -> FreePageStack:
     """A stack holding ``free_ids`` (popped last-first), in an array of ``capacity`` slots.
 
     Args:
@@ -73,14 +78,18 @@ def make_free_stack(free_ids, *, capacity: int | None = None) -> FreePageStack:
     fn = "make_free_stack"
     ids = np.asarray(free_ids)
     if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-        raise ValueError(f"{fn}: free_ids must be 1-D ints, got shape {ids.shape} {ids.dtype}")
+        raise ValueError(
+            f"{fn}: free_ids: expected 1-D ints (free_ids must be 1-D ints), got shape "
+            f"{ids.shape} dtype {ids.dtype}"
+        )
     if np.any(ids < 1):
-        raise ValueError(f"{fn}: free_ids must be real pages (>= 1; 0 is the null page)")
+        raise ValueError(
+            f"{fn}: free_ids: expected real pages (>= 1; 0 is the null page), got min {ids.min()}"
+        )
     if np.unique(ids).size != ids.size:
-        raise ValueError(f"{fn}: free_ids must be distinct")
+        raise ValueError(f"{fn}: free_ids: expected distinct ids, got {ids.tolist()}")
     F = ids.size if capacity is None else capacity
-    if isinstance(F, bool) or not isinstance(F, (int, np.integer)) or F < ids.size:
-        raise ValueError(f"{fn}: capacity must be an int >= len(free_ids)={ids.size}, got {F!r}")
+    F = int_option(fn, "capacity", F, minimum=ids.size)
     pages = np.zeros(max(int(F), 1), np.int32)
     pages[: ids.size] = ids
     return FreePageStack(jnp.asarray(pages), jnp.asarray(ids.size, jnp.int32))
@@ -156,7 +165,7 @@ def ensure_next_page(
       ``advance(cache, ok.astype(jnp.int32))`` so exhausted sequences stop growing.
 
     Example:
-      >>> from paged._cache import init_paged_cache
+      >>> from paged import init_paged_cache
       >>> cache = init_paged_cache(1, 1, 8, 2, 4, batch=2, max_pages_per_seq=2)
       >>> cache, stack, ok = ensure_next_page(cache, make_free_stack([3]))
       >>> cache.page_table[:, 0], ok
@@ -177,7 +186,9 @@ def ensure_next_page(
     return cache._replace(page_table=table), stack, ok
 
 
-def taken_pages(stack: FreePageStack, initial_top: int) -> tuple[np.ndarray, np.ndarray]:
+def taken_pages(
+    stack: FreePageStack, initial_top: int | np.integer
+) -> tuple[np.ndarray, np.ndarray]:
     """Host side, after a loop: ``(taken, unused)`` page ids of a stack that only popped.
 
     Args:
@@ -196,8 +207,12 @@ def taken_pages(stack: FreePageStack, initial_top: int) -> tuple[np.ndarray, np.
       >>> taken_pages(stack, 3)
       (array([7], dtype=int32), array([5, 6], dtype=int32))
     """
+    initial_top = int_option("taken_pages", "initial_top", initial_top, minimum=0)
     top = int(stack.top)
     if top > initial_top:
-        raise ValueError(f"taken_pages: stack top {top} exceeds initial_top {initial_top}")
+        raise ValueError(
+            f"taken_pages: initial_top: expected >= the stack top {top} (pages were pushed; "
+            f"stack top {top} exceeds initial_top {initial_top}), got {initial_top}"
+        )
     pages = np.asarray(stack.pages)
     return pages[top:initial_top].copy(), pages[:top].copy()

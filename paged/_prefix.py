@@ -26,7 +26,7 @@ import numpy as np
 __all__ = ["CachedPage", "PrefixIndex", "hash_page", "normalize_salt"]
 
 
-def normalize_salt(salt: str | bytes | None, *, name: str = "salt") -> bytes | None:
+def normalize_salt(salt, *, fn: str = "normalize_salt", name: str = "salt") -> bytes | None:
     """Checks a tenant salt and returns it as bytes (``str`` is UTF-8 encoded, so ``"a"`` and
     ``b"a"`` are the same salt).
 
@@ -39,7 +39,9 @@ def normalize_salt(salt: str | bytes | None, *, name: str = "salt") -> bytes | N
         return salt.encode("utf-8")
     if isinstance(salt, (bytes, bytearray)):
         return bytes(salt)
-    raise ValueError(f"{name}: expected None, str or bytes, got {type(salt).__name__} {salt!r}")
+    raise ValueError(
+        f"{fn}: {name}: expected None, str or bytes, got {type(salt).__name__} {salt!r}"
+    )
 
 
 def hash_page(parent: bytes | None, tokens: Sequence[int], salt: bytes | None) -> bytes:
@@ -135,14 +137,18 @@ class PrefixIndex:
         return list(self._entry_of.items())
 
     def validate(self) -> None:
-        """Checks the map is a bijection, LRU ⊆ keyed, and every key matches its contents."""
+        """Checks the map is a bijection, LRU ⊆ keyed, and every key matches its contents.
+
+        Raises:
+          ValueError: naming the first broken invariant.
+        """
         if len(self._page_of) != len(self._entry_of):
-            raise AssertionError("prefix index: key map and page map differ in size")
+            raise ValueError("prefix index: key map and page map differ in size")
         for page, entry in self._entry_of.items():
             if self._page_of.get(entry.key) != page:
-                raise AssertionError(f"prefix index: page {page} is not the page of its key")
+                raise ValueError(f"prefix index: page {page} is not the page of its key")
             if hash_page(entry.parent, entry.tokens, entry.salt) != entry.key:
-                raise AssertionError(f"prefix index: page {page} key does not match its tokens")
+                raise ValueError(f"prefix index: page {page} key does not match its tokens")
         for page in self._lru:
             if page not in self._entry_of:
-                raise AssertionError(f"prefix index: evictable page {page} is not keyed")
+                raise ValueError(f"prefix index: evictable page {page} is not keyed")

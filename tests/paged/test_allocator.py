@@ -36,6 +36,7 @@ def prompt(n, start=0):
 # ------------------------------------------------------------------ construction
 
 
+@pytest.mark.no_typecheck
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -174,7 +175,9 @@ def test_admit_full_capacity_prompt():
     alloc.commit("a")
     adm = alloc.admit("b", np.arange(12))
     assert adm.num_cached_tokens == 8 and len(adm.page_ids) == 3
-    with pytest.raises(ValueError, match=r"len\(token_ids\).*13 tokens exceed the capacity"):
+    with pytest.raises(
+        ValueError, match=r"len\(token_ids\): expected at most M \* C = 3 \* 4 = 12 tokens.*got 13"
+    ):
         alloc.admit("c", np.arange(13))
     alloc.validate()
 
@@ -190,6 +193,7 @@ def test_salts_isolate_tenants():
     alloc.validate()
 
 
+@pytest.mark.no_typecheck
 @pytest.mark.parametrize("salt", [1, 2.0, ["a"], object()])
 def test_bad_salt_type(salt):
     alloc = PageAllocator(8, 2, max_pages_per_seq=4)
@@ -200,6 +204,7 @@ def test_bad_salt_type(salt):
     assert "a" not in alloc
 
 
+@pytest.mark.no_typecheck
 @pytest.mark.parametrize(
     "tokens, match",
     [
@@ -271,6 +276,7 @@ def test_commit_keys_pages_and_duplicates_stay_unkeyed():
     alloc.validate()
 
 
+@pytest.mark.no_typecheck
 @pytest.mark.parametrize("num_tokens", [-1, 6, 1.0, True])
 def test_commit_rejects_bad_counts(num_tokens):
     alloc = PageAllocator(16, 2, max_pages_per_seq=8)
@@ -285,7 +291,7 @@ def test_commit_cannot_unwrite():
     alloc.commit("a", 4)
     with pytest.raises(ValueError, match=r"num_tokens: expected an int in \[4, 5\]"):
         alloc.commit("a", 3)
-    with pytest.raises(ValueError, match="seq: unknown sequence 'z'"):
+    with pytest.raises(ValueError, match="seq: expected a live sequence id, got 'z'"):
         alloc.commit("z")
 
 
@@ -296,23 +302,24 @@ def test_extend_allocates_pages_and_tracks_tokens():
     alloc = PageAllocator(16, 4, max_pages_per_seq=3)
     alloc.allocate("a", 0)
     assert alloc.page_table(["a"]).tolist() == [[0, 0, 0]]
-    assert alloc.extend("a", 1, token_ids=[7]) == []
-    assert alloc.extend("a", 4, token_ids=[7, 7, 7]) == []
-    assert alloc.extend("a", 5, token_ids=[8]) == []
-    assert alloc.extend("a", 5) == []  # no-op
+    assert alloc.extend("a", 1, token_ids=[7]).pairs() == []
+    assert alloc.extend("a", 4, token_ids=[7, 7, 7]).pairs() == []
+    assert alloc.extend("a", 5, token_ids=[8]).pairs() == []
+    assert alloc.extend("a", 5).pairs() == []  # no-op
     assert len(alloc.sequence_pages("a")) == 2
     alloc.commit("a")
     assert alloc.admit("b", [7, 7, 7, 7, 9]).num_cached_tokens == 4
-    assert alloc.extend("a", 12, token_ids=[1] * 7) == []  # full capacity
+    assert alloc.extend("a", 12, token_ids=[1] * 7).pairs() == []  # full capacity
     assert alloc.sequence_length("a") == 12
     alloc.validate()
 
 
+@pytest.mark.no_typecheck
 @pytest.mark.parametrize(
     "new_length, token_ids, match",
     [
         (2, None, "new_length: expected >= current length 3"),
-        (9, None, "new_length: 9 tokens exceed the capacity"),
+        (9, None, r"new_length: expected at most M \* C = 4 \* 2 = 8 tokens.*got 9"),
         (-1, None, "new_length: expected a non-negative int"),
         (4.0, None, "new_length: expected a non-negative int"),
         (5, [1], "token_ids: expected 2 ids"),
@@ -333,25 +340,31 @@ def test_extend_without_token_ids_makes_the_rest_uncacheable():
     alloc = PageAllocator(16, 2, max_pages_per_seq=8)
     alloc.admit("a", [1, 2, 3])
     alloc.extend("a", 4)
-    with pytest.raises(ValueError, match="token_ids: 'a' has untracked tokens"):
+    with pytest.raises(
+        ValueError, match="token_ids: expected no ids for 'a', which has untracked tokens"
+    ):
         alloc.extend("a", 5, token_ids=[9])
     alloc.commit("a")
     assert len(alloc._index) == 1  # page 0 only: page 1's last token is unknown
     alloc.validate()
 
 
+@pytest.mark.no_typecheck
 def test_operations_reject_unknown_duplicate_and_unhashable_ids():
     alloc = PageAllocator(16, 2, max_pages_per_seq=4)
     alloc.allocate("a", 1)
-    with pytest.raises(ValueError, match="seq: duplicate sequence 'a'"):
+    with pytest.raises(ValueError, match="seq: expected a new id, got duplicate sequence 'a'"):
         alloc.allocate("a", 1)
-    with pytest.raises(ValueError, match="seq: duplicate sequence 'a'"):
+    with pytest.raises(ValueError, match="seq: expected a new id, got duplicate sequence 'a'"):
         alloc.admit("a", [1])
     with pytest.raises(ValueError, match="seq: expected a hashable id"):
         alloc.allocate(["x"], 1)
     with pytest.raises(ValueError, match="length: expected a non-negative int"):
         alloc.allocate("b", -1)
-    with pytest.raises(ValueError, match="length: 9 tokens exceed the capacity M \\* C = 4 \\* 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"length: expected at most M \* C = 4 \* 2 = 8 tokens \(the capacity\), got 9",
+    ):
         alloc.allocate("b", 9)
     for call in (
         lambda: alloc.extend("b", 1),
@@ -359,17 +372,17 @@ def test_operations_reject_unknown_duplicate_and_unhashable_ids():
         lambda: alloc.sequence_length("b"),
         lambda: alloc.sequence_pages("b"),
     ):
-        with pytest.raises(ValueError, match="seq: unknown sequence 'b'"):
+        with pytest.raises(ValueError, match="seq: expected a live sequence id, got 'b'"):
             call()
-    with pytest.raises(ValueError, match=r"seqs\[1\]: unknown sequence 'b'"):
+    with pytest.raises(ValueError, match=r"seqs\[1\]: expected a live sequence id, got 'b'"):
         alloc.page_table(["a", "b"])
-    with pytest.raises(ValueError, match=r"seqs\[0\]: unknown sequence 'b'"):
+    with pytest.raises(ValueError, match=r"seqs\[0\]: expected a live sequence id, got 'b'"):
         alloc.lengths(["b"])
     with pytest.raises(ValueError, match="seqs: expected distinct sequence ids"):
         alloc.page_table(["a", "a"])
-    with pytest.raises(ValueError, match="parent: unknown sequence 'b'"):
+    with pytest.raises(ValueError, match="parent: expected a live sequence id, got 'b'"):
         alloc.fork("b", "c")
-    with pytest.raises(ValueError, match="child: duplicate sequence 'a'"):
+    with pytest.raises(ValueError, match="child: expected a new id, got duplicate sequence 'a'"):
         alloc.fork("a", "a")
     assert "a" in alloc and "b" not in alloc and ["x"] not in alloc
     assert alloc.sequences == ("a",)
@@ -388,31 +401,33 @@ def test_fork_shares_full_pages_and_copies_the_partial_page(length):
     full = length // 4
     assert child[:full] == parent[:full]
     if length % 4:
-        assert plan == [(parent[-1], child[-1])] and child[-1] != parent[-1]
+        assert plan.pairs() == [(parent[-1], child[-1])] and child[-1] != parent[-1]
+        assert plan.src.dtype == plan.dst.dtype == np.int32
     else:
-        assert plan == [] and child == parent
+        assert plan.pairs() == [] and child == parent
+        assert plan.src.shape == plan.dst.shape == (0,) and plan.src.dtype == np.int32
     assert alloc.sequence_length("c") == length
     assert alloc.stats().pages_shared == full
     alloc.validate()
     alloc.free("p")
     alloc.validate()
     if length == 8:  # the child can keep appending into fresh pages, no copy
-        assert alloc.extend("c", 8) == []
+        assert alloc.extend("c", 8).pairs() == []
 
 
 def test_lazy_fork_copies_on_first_append():
     alloc = PageAllocator(16, 4, max_pages_per_seq=4)
     alloc.admit("p", prompt(6))
     alloc.commit("p")
-    assert alloc.fork("p", "c", lazy=True) == []
+    assert alloc.fork("p", "c", lazy=True).pairs() == []
     shared = alloc.sequence_pages("p")[-1]
     assert alloc.sequence_pages("c")[-1] == shared and alloc.stats().pages_shared == 2
     # The parent appends into the shared partial page: it gets a private copy first.
     plan = alloc.extend("p", 7, token_ids=[50])
     new = alloc.sequence_pages("p")[-1]
-    assert plan == [(shared, new)] and new != shared
+    assert plan.pairs() == [(shared, new)] and new != shared
     # The child now owns the original alone and writes in place.
-    assert alloc.extend("c", 9, token_ids=[60, 61, 62]) == []
+    assert alloc.extend("c", 9, token_ids=[60, 61, 62]).pairs() == []
     assert alloc.sequence_pages("c")[1] == shared
     alloc.commit("p")
     alloc.commit("c")
@@ -429,7 +444,7 @@ def test_lazy_fork_copy_is_atomic_under_pressure():
         alloc.extend("c", 7)
     assert snapshot(alloc) == before
     alloc.free("x")
-    assert len(alloc.extend("c", 7)) == 1
+    assert len(alloc.extend("c", 7).src) == 1
     alloc.validate()
 
 
@@ -466,6 +481,7 @@ def test_reserve_and_settle_round_trip():
     alloc.validate()
 
 
+@pytest.mark.no_typecheck
 def test_reserve_rejects_bad_counts():
     alloc = PageAllocator(4, 2, max_pages_per_seq=4)
     for num in (-1, 1.0, None):
@@ -487,6 +503,7 @@ def loop_state():
     return alloc, stack, table
 
 
+@pytest.mark.no_typecheck
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -495,7 +512,10 @@ def loop_state():
         (dict(lengths=[5]), r"lengths: expected shape \(2,\)"),
         (dict(lengths=[2, 2]), r"lengths\[0\]: expected in \[3, 8\]"),
         (dict(lengths=[9, 2]), r"lengths\[0\]: expected in \[3, 8\]"),
-        (dict(table=lambda t, s: t.__setitem__((0, 0), 9) or t), r"page_table\[0\]: the first 2"),
+        (
+            dict(table=lambda t, s: t.__setitem__((0, 0), 9) or t),
+            r"page_table\[0\]: expected the first 2",
+        ),
         (
             dict(table=lambda t, s: t.__setitem__((0, 2), 15) or t),
             r"page_table\[0\]: page 15 is not a reserved page",
@@ -510,7 +530,7 @@ def loop_state():
         (dict(token_ids=[[1]]), "token_ids: expected 2 rows"),
         (dict(token_ids=[[1], None]), r"token_ids\[0\]: expected 2 ids"),
         (dict(seqs=["a", "a"]), "seqs: expected distinct sequence ids"),
-        (dict(seqs=["a", "z"]), r"seqs\[1\]: unknown sequence 'z'"),
+        (dict(seqs=["a", "z"]), r"seqs\[1\]: expected a live sequence id, got 'z'"),
     ],
 )
 def test_settle_rejects_bad_results(loop_state, change, match):
@@ -545,7 +565,7 @@ def test_settle_refuses_growth_into_a_shared_partial_page():
     with pytest.raises(ValueError, match=r"lengths\[0\]: 'a' grew into its shared partial page"):
         alloc.settle(["a"], alloc.page_table(["a"]), np.array([4]))
     alloc.extend("a", 3)  # no growth: no copy either
-    assert len(alloc.extend("a", 4)) == 1  # the host-side copy-on-write
+    assert len(alloc.extend("a", 4).src) == 1  # the host-side copy-on-write
     alloc.settle(["a"], alloc.page_table(["a"]), np.array([4]), unused=stack)
     alloc.validate()
 
@@ -577,15 +597,15 @@ def test_validate_detects_corruption():
     alloc.commit("a")
     alloc.validate()
     alloc._refcount[1] += 1
-    with pytest.raises(AssertionError, match="page 1: refcount 2, holders 1"):
+    with pytest.raises(ValueError, match="page 1: refcount 2, holders 1"):
         alloc.validate()
     alloc._refcount[1] -= 1
     alloc._free.append(1)
-    with pytest.raises(AssertionError, match="page 1: in 2 of used/free/cached"):
+    with pytest.raises(ValueError, match="page 1: in 2 of used/free/cached"):
         alloc.validate()
     alloc._free.pop()
     alloc._seqs["a"].tokens[0] = 99
-    with pytest.raises(AssertionError, match="key chain broken"):
+    with pytest.raises(ValueError, match="key chain broken"):
         alloc.validate()
 
 
@@ -600,6 +620,7 @@ def test_hand_over_with_the_device_free_stack():
         init_paged_cache,
         make_free_stack,
         taken_pages,
+        with_page_table,
     )
 
     size, width, num_pages = 2, 4, 12
@@ -619,14 +640,9 @@ def test_hand_over_with_the_device_free_stack():
     for seq in ("a", "b"):
         alloc.commit(seq)
     cache = init_paged_cache(1, 1, num_pages, size, 1, batch=3, max_pages_per_seq=width)
-    cache = cache._replace(
-        k_pages=jnp.asarray(pool),
-        v_pages=jnp.asarray(pool),
-        page_table=jnp.asarray(alloc.page_table(seqs)),
-        lengths=jnp.asarray(alloc.lengths(seqs)),
-    )
-    source, target = np.asarray(plan, dtype=np.int32).T
-    cache = copy_pages(cache, jnp.asarray(source), jnp.asarray(target))
+    cache = cache._replace(k_pages=jnp.asarray(pool), v_pages=jnp.asarray(pool))
+    cache = with_page_table(cache, alloc.page_table(seqs), alloc.lengths(seqs))
+    cache = copy_pages(cache, plan)  # the allocator's plan, as it is
     reserved = alloc.reserve(4)
     stack = make_free_stack(reserved)
     for step in range(3):
@@ -656,3 +672,92 @@ def test_hand_over_with_the_device_free_stack():
         assert read == tokens[seq], seq
     # c's tokens were given and written: a prompt equal to c plus one token hits 3 pages.
     assert alloc.admit("d", tokens["c"] + [0]).num_cached_tokens == 6
+
+
+# ------------------------------------------------------------------ life cycle and scalars
+
+
+def test_missed_commit_is_visible_in_stats():
+    """admit -> write -> (no commit) -> free: nothing is cached, and stats say why."""
+    alloc = PageAllocator(16, 2, max_pages_per_seq=4)
+    alloc.admit("a", prompt(5))  # two full pages and a partial one
+    stats = alloc.stats()
+    assert (stats.tokens_uncommitted, stats.pages_uncommitted) == (5, 2)
+    assert stats.pages_freed_uncommitted == 0
+    alloc.free("a")  # commit missed
+    stats = alloc.stats()
+    assert stats.pages_freed_uncommitted == 2 and stats.pages_cached == 0
+    assert alloc.admit("b", prompt(5)).num_cached_tokens == 0  # the miss it caused
+    alloc.commit("b", 3)  # partial commit: one of two full pages
+    stats = alloc.stats()
+    assert (stats.tokens_uncommitted, stats.pages_uncommitted) == (2, 1)
+    alloc.commit("b")
+    stats = alloc.stats()
+    assert (stats.tokens_uncommitted, stats.pages_uncommitted) == (0, 0)
+    plan = alloc.extend("b", 6, token_ids=[5])  # a new token waits for its commit
+    assert plan.pairs() == [] and alloc.stats().tokens_uncommitted == 1
+    assert alloc.stats().pages_uncommitted == 1  # page 2 is now full and known
+    alloc.free("b")
+    assert alloc.stats().pages_freed_uncommitted == 3
+    # Untracked sequences (no token ids) count tokens but no cacheable pages.
+    alloc.allocate("c", 4)
+    assert (alloc.stats().tokens_uncommitted, alloc.stats().pages_uncommitted) == (4, 0)
+    alloc.validate()
+
+
+def test_settle_counts_as_commit():
+    alloc = PageAllocator(16, 2, max_pages_per_seq=4)
+    alloc.admit("a", [1, 2, 3])
+    stack = alloc.reserve(1)
+    table = alloc.page_table(["a"])
+    table[0, 2] = stack[0]
+    alloc.settle(["a"], table, [5], token_ids=[[4, 5]])
+    stats = alloc.stats()
+    assert (stats.tokens_uncommitted, stats.pages_uncommitted) == (0, 0)
+
+
+def test_numpy_integer_scalars_are_accepted_everywhere():
+    alloc = PageAllocator(np.int64(16), np.int32(2), max_pages_per_seq=np.int16(4))
+    assert isinstance(alloc.num_pages, int) and alloc.capacity == 8
+    alloc.allocate("a", np.int32(3))
+    alloc.admit("b", np.array([1, 2, 3], np.int64))
+    alloc.commit("b", np.int64(2))
+    alloc.extend("a", np.int32(4))
+    alloc.fork("a", "c")
+    assert alloc.reserve(np.uint8(2)).tolist() == [5, 6]
+    table = alloc.page_table(["a"])
+    alloc.settle(["a"], table, np.array([4], np.int64), unused=np.array([5, 6], np.int32))
+    alloc.validate()
+
+
+@pytest.mark.no_typecheck
+@pytest.mark.parametrize("bad", [True, 3.0, np.float32(3.0), "3", None])
+def test_int_arguments_reject_bools_floats_and_others(bad):
+    alloc = PageAllocator(16, 2, max_pages_per_seq=4)
+    alloc.admit("a", [1, 2, 3])
+    before = snapshot(alloc)
+    with pytest.raises(ValueError, match=r"PageAllocator.extend: new_length: expected"):
+        alloc.extend("a", bad)
+    with pytest.raises(ValueError, match=r"PageAllocator.allocate: length: expected"):
+        alloc.allocate("b", bad)
+    if bad is not None:
+        with pytest.raises(ValueError, match=r"PageAllocator.commit: num_tokens: expected"):
+            alloc.commit("a", bad)
+    with pytest.raises(ValueError, match=r"PageAllocator.reserve: num: expected"):
+        alloc.reserve(bad)
+    with pytest.raises(ValueError, match=r"PageAllocator: num_pages: expected"):
+        PageAllocator(bad, 2, max_pages_per_seq=4)
+    assert snapshot(alloc) == before
+
+
+def test_settle_accepts_device_arrays():
+    import jax.numpy as jnp
+
+    alloc = PageAllocator(16, 2, max_pages_per_seq=4)
+    alloc.allocate("a", 2)
+    stack = alloc.reserve(1)
+    table = alloc.page_table(["a"])
+    table[0, 1] = stack[0]
+    alloc.settle(["a"], jnp.asarray(table), jnp.asarray([3]), unused=jnp.zeros((0,), jnp.int32))
+    assert alloc.sequence_length("a") == 3
+    alloc.validate()

@@ -53,7 +53,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.device[page][position % self.size] = self.truth[seq][position]
 
     def apply_copies(self, plan):
-        for source, target in plan:
+        assert plan.src.dtype == plan.dst.dtype == np.int32
+        for source, target in plan.pairs():
             self.device[target] = list(self.device[source])
 
     def expect_out_of_pages(self, call):
@@ -123,8 +124,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         plan, failed = self.expect_out_of_pages(lambda: self.alloc.extend(seq, new, token_ids=ids))
         if failed:
             return
-        assert len(plan) <= 1
-        if plan:
+        assert len(plan.src) <= 1
+        if plan.pairs():
             event("extend: copy-on-write")
         self.apply_copies(plan)
         self.truth[seq] = self.truth[seq] + tokens
@@ -154,7 +155,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         plan, failed = self.expect_out_of_pages(lambda: self.alloc.fork(parent, child, lazy=lazy))
         if failed:
             return
-        assert len(plan) == int(not lazy and len(self.truth[parent]) % self.size != 0)
+        assert len(plan.src) == int(not lazy and len(self.truth[parent]) % self.size != 0)
         self.apply_copies(plan)
         self.truth[child] = list(self.truth[parent])
 
@@ -232,6 +233,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert stats.pages_used + stats.pages_free + stats.pages_cached == stats.num_pages
         assert stats.pages_reserved == len(self.reserved)
         assert 0.0 <= stats.prefix_hit_rate <= 1.0 and 0.0 <= stats.waste < 1.0
+        assert 0 <= stats.tokens_uncommitted <= stats.tokens_logical
+        assert stats.pages_uncommitted >= 0 and stats.pages_freed_uncommitted >= 0
         assert stats.num_sequences == len(self.truth)
 
 

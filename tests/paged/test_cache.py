@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from paged import (
+    CopyPlan,
     PageAllocator,
     PagedKVCache,
     advance,
@@ -18,6 +19,7 @@ from paged import (
     paged_attention,
     validate,
     validate_page_table,
+    with_page_table,
     write,
     write_layer,
 )
@@ -30,7 +32,7 @@ L, K, C, H, B, M = 2, 2, 4, 8, 3, 3
 def permuted_cache(rng, num_pages=12):
     cache = init_paged_cache(L, K, num_pages, C, H, B, M)
     ids = rng.permutation(np.arange(1, num_pages))[: B * M].reshape(B, M)
-    return cache._replace(page_table=jnp.asarray(ids, jnp.int32))
+    return with_page_table(cache, ids.astype(np.int32))
 
 
 def test_init_shapes_and_pytree():
@@ -115,7 +117,7 @@ def test_write_layer_matches_write_and_takes_traced_layer():
 def test_unwritable_tokens_are_dropped():
     """Null slots, slots past the table and negative positions write nothing anywhere."""
     cache = init_paged_cache(1, 1, 6, C, H, 2, 2)
-    cache = cache._replace(page_table=jnp.array([[3, 0], [-1, 9]], jnp.int32))
+    cache = with_page_table(cache, jnp.array([[3, 0], [-1, 9]], jnp.int32))
     k = jnp.ones((1, 2, 12, 1, H))
     out = write(cache, k, k, jnp.array([-2, 0]))
     written = np.asarray(out.k_pages[0, 0, :, :, 0])
@@ -145,7 +147,7 @@ def test_copy_pages_copies_and_drops():
     cache = init_paged_cache(L, K, 6, C, H, 1, 2)
     data = jnp.asarray(rng.standard_normal(cache.k_pages.shape), jnp.float32)
     cache = cache._replace(k_pages=data, v_pages=-data)
-    out = copy_pages(cache, jnp.array([2, 4, 3, -1]), jnp.array([5, 0, 7, 1]))
+    out = copy_pages(cache, CopyPlan(jnp.array([2, 4, 3, -1]), jnp.array([5, 0, 7, 1])))
     np.testing.assert_array_equal(np.asarray(out.k_pages[:, :, 5]), np.asarray(data[:, :, 2]))
     np.testing.assert_array_equal(np.asarray(out.v_pages[:, :, 5]), -np.asarray(data[:, :, 2]))
     np.testing.assert_array_equal(np.asarray(out.k_pages[:, :, 1]), 0.0)  # invalid src: zeros
@@ -153,8 +155,8 @@ def test_copy_pages_copies_and_drops():
         np.testing.assert_array_equal(
             np.asarray(out.k_pages[:, :, page]), np.asarray(data[:, :, page])
         )
-    with pytest.raises(ValueError, match="src and dst must be 1-D int arrays"):
-        copy_pages(cache, jnp.array([1, 2]), jnp.array([3]))
+    with pytest.raises(ValueError, match="src and dst 1-D int arrays of one length"):
+        copy_pages(cache, CopyPlan(jnp.array([1, 2]), jnp.array([3])))
 
 
 def test_prefill_then_decode_attention_matches_reference():
@@ -188,11 +190,10 @@ def test_host_allocator_tables_drive_the_cache():
     alloc.allocate("a", 5)
     alloc.allocate("b", 9)
     cache = init_paged_cache(1, K, 16, C, H, 2, M)
-    cache = cache._replace(
-        page_table=jnp.asarray(alloc.page_table(["a", "b"])),
-        lengths=jnp.asarray(alloc.lengths(["a", "b"])),
-    )
+    cache = with_page_table(cache, alloc.page_table(["a", "b"]), alloc.lengths(["a", "b"]))
     validate(cache)
+    assert cache.page_table.dtype == cache.lengths.dtype == jnp.int32
+    assert cache.lengths.tolist() == [5, 9]
 
 
 @pytest.mark.parametrize(
@@ -207,11 +208,13 @@ def test_host_allocator_tables_drive_the_cache():
         ([[1, 2, 3]], [1, 2], "expected page_table"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_validate_page_table_errors(table, lengths, match):
     with pytest.raises(ValueError, match=match):
         validate_page_table(np.array(table), np.array(lengths), num_pages=12, page_size=C)
 
 
+@pytest.mark.no_typecheck
 def test_validate_accepts_shared_pages_and_checks_cache():
     validate_page_table(np.array([[1, 2], [1, 3]]), np.array([6, 5]), num_pages=4, page_size=C)
     cache = init_paged_cache(1, 1, 4, C, H, 1, 2)
@@ -231,18 +234,150 @@ def test_validate_accepts_shared_pages_and_checks_cache():
         (
             write_layer,
             ("cache", 0, jnp.ones((3, 2, 2, 8)), jnp.ones((3, 2, 2, 9)), 0),
-            "same shape",
+            "v: expected the shape of k",
         ),
-        (write_layer, ("cache", 0, jnp.ones((3, 2, 3, 8)), jnp.ones((3, 2, 3, 8)), 0), "k/v must"),
-        (write_layer, ("cache", 0, jnp.ones((3, 2, 8)), jnp.ones((3, 2, 8)), 0.5), "start must"),
-        (write, ("cache", jnp.ones((3, 2, 8)), jnp.ones((3, 2, 8)), 0), "k/v must"),
+        (
+            write_layer,
+            ("cache", 0, jnp.ones((3, 2, 3, 8)), jnp.ones((3, 2, 3, 8)), 0),
+            "k: expected",
+        ),
+        (
+            write_layer,
+            ("cache", 0, jnp.ones((3, 2, 8)), jnp.ones((3, 2, 8)), 0.5),
+            "start: expected",
+        ),
+        (write, ("cache", jnp.ones((3, 2, 8)), jnp.ones((3, 2, 8)), 0), "k: expected shape"),
         (append, ("cache", jnp.ones((2, 3, 2, 2, 8)), jnp.ones((2, 3, 2, 2, 8))), "one token"),
-        (advance, ("cache", jnp.ones((2,), jnp.int32)), "start must"),
-        (gather_kv, ("cache", 2), "layer must be an int"),
-        (write_layer, ("cache", 0, "k", "v", 0), "k must be an array"),
+        (advance, ("cache", jnp.ones((2,), jnp.int32)), "n: expected"),
+        (gather_kv, ("cache", 2), r"layer: expected an int in \[0, 2\)"),
+        (write_layer, ("cache", 0, "k", "v", 0), "k: expected an array"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_cache_errors(fn, args, match):
     cache = init_paged_cache(L, K, 6, C, H, B, M)
     with pytest.raises(ValueError, match=match):
         fn(cache, *args[1:])
+
+
+# ------------------------------------------------------------------ hand-offs from the allocator
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_copy_pages_takes_allocator_plans_directly_empty_included(use_jit):
+    alloc = PageAllocator(12, C, max_pages_per_seq=M)
+    alloc.allocate("a", C + 1)  # a partial last page
+    cache = init_paged_cache(L, K, 12, C, H, 2, M)
+    data = jnp.asarray(np.random.default_rng(5).standard_normal(cache.k_pages.shape), jnp.float32)
+    cache = cache._replace(k_pages=data, v_pages=-data)
+    run = jax.jit(copy_pages) if use_jit else copy_pages
+    empty = alloc.extend("a", C + 1)  # no growth: the empty plan most extends return
+    assert empty.src.shape == (0,)
+    same = run(cache, empty)
+    np.testing.assert_array_equal(np.asarray(same.k_pages), np.asarray(data))
+    plan = alloc.fork("a", "b")  # copies a's partial page
+    ((src, dst),) = plan.pairs()
+    out = run(cache, plan)
+    np.testing.assert_array_equal(np.asarray(out.k_pages[:, :, dst]), np.asarray(data[:, :, src]))
+    np.testing.assert_array_equal(np.asarray(out.v_pages[:, :, dst]), -np.asarray(data[:, :, src]))
+    both = CopyPlan.concatenate([empty, plan, CopyPlan.empty()])
+    assert both.pairs() == plan.pairs()
+    np.testing.assert_array_equal(np.asarray(run(cache, both).k_pages), np.asarray(out.k_pages))
+
+
+def test_copy_pages_pads_plans_to_a_power_of_two():
+    cache = init_paged_cache(1, 1, 12, C, H, 1, M)
+    from paged._copy import _copy_pages_impl
+
+    start = _copy_pages_impl._cache_size()
+    for n in (0, 1):
+        copy_pages(cache, CopyPlan(np.arange(1, n + 1), np.arange(5, n + 5)))
+    assert _copy_pages_impl._cache_size() - start <= 1  # 0 and 1 pairs share bucket 1
+    mid = _copy_pages_impl._cache_size()
+    for n in (3, 4):
+        copy_pages(cache, CopyPlan(np.arange(1, n + 1), np.arange(5, n + 5)))
+    assert _copy_pages_impl._cache_size() - mid <= 1  # 3 and 4 share bucket 4
+
+
+def test_copy_pages_is_vmappable_over_plans():
+    cache = init_paged_cache(1, 1, 6, C, H, 1, 2)
+    cache = cache._replace(k_pages=cache.k_pages.at[:, :, 1].set(3.0))
+    plans = CopyPlan(jnp.array([[1], [1]]), jnp.array([[2], [4]]))
+    out = jax.vmap(copy_pages, in_axes=(None, 0))(cache, plans)
+    assert (
+        float(out.k_pages[0, 0, 0, 2, 0, 0]) == 3.0 and float(out.k_pages[1, 0, 0, 4, 0, 0]) == 3.0
+    )
+    assert float(out.k_pages[0, 0, 0, 4, 0, 0]) == 0.0
+
+
+@pytest.mark.no_typecheck
+def test_copy_pages_rejects_anything_but_a_plan():
+    cache = init_paged_cache(1, 1, 6, C, H, 1, 2)
+    # A list of pairs [(2, 3), (4, 5)] would be ambiguous as (src, dst): refused.
+    for bad in ([(2, 3), (4, 5)], (jnp.array([1]), jnp.array([2])), None):
+        with pytest.raises(ValueError, match=r"copy_pages: plan: expected a paged.CopyPlan"):
+            copy_pages(cache, bad)
+    with pytest.raises(ValueError, match="copy_pages: plan: expected src and dst"):
+        copy_pages(cache, CopyPlan(jnp.array([1.0]), jnp.array([2])))
+
+
+def test_with_page_table_is_the_hand_off_and_is_jittable():
+    alloc = PageAllocator(8, C, max_pages_per_seq=M)
+    alloc.allocate("a", 5)
+    cache = init_paged_cache(1, 1, 8, C, H, 1, M)
+    cache = jax.jit(with_page_table)(cache, alloc.page_table(["a"]), alloc.lengths(["a"]))
+    assert cache.page_table.tolist() == [[1, 2, 0]] and cache.lengths.tolist() == [5]
+    alloc.extend("a", 9)
+    kept = with_page_table(cache, alloc.page_table(["a"]))  # lengths kept from the cache
+    assert kept.page_table.tolist() == [[1, 2, 3]] and kept.lengths.tolist() == [5]
+
+
+@pytest.mark.no_typecheck
+@pytest.mark.parametrize(
+    "table, lengths, match",
+    [
+        (np.zeros((1, 3), np.int32), None, r"page_table: expected the cache's shape"),
+        (np.zeros((2, 3), np.float32), None, "page_table: expected a integer array"),
+        (np.zeros((2, 3), np.int32), np.zeros((3,), np.int32), r"lengths: expected shape \(2,\)"),
+        (np.zeros((2, 3), np.int32), [1, 2], "lengths: expected a rank-1 integer array"),
+    ],
+)
+def test_with_page_table_errors(table, lengths, match):
+    cache = init_paged_cache(1, 1, 8, C, H, 2, M)
+    with pytest.raises(ValueError, match=f"with_page_table: {match}"):
+        with_page_table(cache, table, lengths)
+
+
+@pytest.mark.no_typecheck
+@pytest.mark.parametrize("layer", [1.0, np.float32(1.0), jnp.float32(1.0), True, "1", -1])
+def test_float_layer_index_is_an_error_never_truncated(layer):
+    cache = init_paged_cache(L, K, 6, C, H, B, M)
+    kv = jnp.ones((B, 1, K, H))
+    with pytest.raises(ValueError, match="write_layer: layer: expected"):
+        write_layer(cache, layer, kv, kv, 0)
+    with pytest.raises(ValueError, match="gather_kv: layer: expected"):
+        gather_kv(cache, layer)
+
+
+def test_numpy_scalars_are_accepted_by_the_cache_functions():
+    cache = init_paged_cache(np.int32(L), np.int64(K), np.int32(12), np.int8(C), np.int32(H), B, M)
+    cache = with_page_table(cache, np.arange(1, 10, dtype=np.int32).reshape(B, M))
+    kv = jnp.ones((B, 2, K, H))
+    cache = write_layer(cache, np.int64(1), kv, kv, np.int32(0))
+    cache = advance(cache, np.int32(2))
+    k, _ = gather_kv(cache, np.int32(1))
+    np.testing.assert_array_equal(np.asarray(k[:, :2]), 1.0)
+    assert cache.lengths.tolist() == [2, 2, 2]
+
+
+def test_from_zero_based_table_shifts_ids_for_a_pool_with_a_null_page():
+    from paged import from_zero_based_table
+
+    zero_based = np.array([[0, 2], [1, 0]])
+    ours = from_zero_based_table(zero_based)
+    assert ours.dtype == jnp.int32 and ours.tolist() == [[1, 3], [2, 1]]
+    pages = jnp.arange(3 * C * H, dtype=jnp.float32).reshape(1, 3, C, H)  # [K, P, C, H]
+    padded = jnp.pad(pages, ((0, 0), (1, 0), (0, 0), (0, 0)))
+    # Page i of the zero-based pool is page i + 1 of ours.
+    np.testing.assert_array_equal(np.asarray(padded[:, ours]), np.asarray(pages[:, zero_based]))
+    assert jax.jit(from_zero_based_table)(jnp.asarray(zero_based)).tolist() == ours.tolist()

@@ -18,6 +18,7 @@ from paged import (
     push_pages,
     taken_pages,
     validate,
+    with_page_table,
     write,
     write_layer,
 )
@@ -79,9 +80,11 @@ def test_stack_never_duplicates_or_loses_pages(free, ops):
         ([1.5], {}, "free_ids must be 1-D ints"),
         ([0, 3], {}, "real pages"),
         ([3, 3], {}, "distinct"),
-        ([1, 2], dict(capacity=1), "capacity must be"),
+        ([1, 2], dict(capacity=1), "capacity: expected an int >= 2"),
+        ([1, 2], dict(capacity=3.0), "capacity: expected an int >= 2"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_make_free_stack_errors(ids, kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_free_stack(ids, **kwargs)
@@ -121,7 +124,7 @@ def test_jitted_decode_loop_takes_pages_and_stops_safely_when_exhausted():
     # 13 tokens and its table is full after 16.
     table = np.zeros((B, M), np.int32)
     table[0, 0], table[1, 0], table[2, :4] = 5, 6, [1, 2, 3, 4]
-    cache = cache._replace(page_table=jnp.asarray(table), lengths=jnp.array([3, 4, 13]))
+    cache = with_page_table(cache, table, jnp.array([3, 4, 13], jnp.int32))
     # Pre-fill existing tokens with the same encoding the loop uses (one write of 13 tokens;
     # those past a sequence's pages are dropped, those past its length are overwritten later).
     value = jnp.arange(B)[:, None] * 1000.0 + jnp.arange(13)[None]  # [B, 13]
@@ -157,9 +160,7 @@ def test_hand_over_with_host_allocator():
     reserved = alloc.reserve(3)
     stack = make_free_stack(reserved)
     cache = init_paged_cache(L, K, 12, C, H, 2, 4)
-    cache = cache._replace(
-        page_table=jnp.asarray(alloc.page_table(seqs)), lengths=jnp.asarray(alloc.lengths(seqs))
-    )
+    cache = with_page_table(cache, alloc.page_table(seqs), alloc.lengths(seqs))
     cache, stack, _ = jax.jit(decode_loop, static_argnums=2)(cache, stack, 3)
     taken, unused = taken_pages(stack, len(reserved))
     assert cache.lengths.tolist() == [6, 11]

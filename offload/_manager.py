@@ -1,0 +1,385 @@
+"""The host-side manager that owns a host pool and a disk store and routes page moves.
+
+:class:`OffloadManager` is the clear boundary between the pure page-moving functions
+(:func:`~offload.page_out`, :func:`~offload.page_in`, :func:`~offload.prefetch_layer`) and the
+bookkeeping they cannot hold under ``jit``: which host slots are free, which belong to which
+request, what is on disk. It owns one :class:`~offload.HostPagePool`, an optional
+:class:`~offload.DiskStore` and one :class:`~offload.OffloadStats`; the device pool stays with
+the caller (``paged``), who passes it in and gets the new one back.
+"""
+
+import time
+
+import jax
+import numpy as np
+from jaxtyping import Array, Shaped
+
+from offload._checks import IdList, check_ids
+from offload._disk import DiskStore
+from offload._host_pool import HostPagePool, check_host, page_shards, zeros_fn
+from offload._page_copy import copy_pages
+from offload._stats import OffloadStats
+from offload._tiers import PINNED_HOST, TransferHandle, ready, wait
+from offload._transfers import page_in, page_out, prefetch_layer
+
+__all__ = ["OffloadManager"]
+
+
+class OffloadManager:
+    """Owns a host pool, an optional disk store and the stats; routes page moves.
+
+    Each request's host pages are kept as an ordered list of host slots (its logical page
+    order), so a later :meth:`page_in` or :meth:`prefetch` returns them in the order they
+    were paged out. Every transfer method returns a :class:`~offload.TransferHandle`, like
+    the functions it wraps. For a pool split along the page axis each page gets a free slot
+    of its own device (per-device slots); :meth:`spill`, :meth:`restore` and
+    :meth:`prefetch` do not support such pools (``NotImplementedError``). On disk a request is one :class:`~offload.DiskStore` entry keyed by its
+    request id. Device bytes belong to the caller's page allocator: register them with
+    ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or frees pages.
+
+    Args:
+      host_pool: the :class:`~offload.HostPagePool` to manage (owned from now on; read the
+        current one from :attr:`host_pool`).
+      disk: an optional :class:`~offload.DiskStore` for :meth:`spill` / :meth:`restore`.
+      stats: an :class:`OffloadStats` to update (a new one by default).
+
+    Raises:
+      ValueError: if ``host_pool`` is not a pinned-host :class:`~offload.HostPagePool` or
+        ``disk`` is not a :class:`~offload.DiskStore`.
+
+    Example:
+      >>> k = jnp.ones((2, 4, 8, 16, 32)); manager = OffloadManager(make_host_page_pool(k, k, 64))
+      >>> handle = manager.page_out(k, k, [3, 5], request_id="r1")
+      >>> _ = manager.wait(handle); manager.stats.tier_bytes("host", request_id="r1") > 0
+      True
+    """
+
+    def __init__(
+        self,
+        host_pool: HostPagePool,
+        *,
+        disk: DiskStore | None = None,
+        stats: OffloadStats | None = None,
+    ):
+        check_host("OffloadManager", host_pool)
+        if disk is not None and not isinstance(disk, DiskStore):
+            raise ValueError(
+                f"OffloadManager: disk: expected a DiskStore, got {type(disk).__name__}"
+            )
+        self._host_pool = host_pool
+        self.disk = disk
+        self.stats = stats if stats is not None else OffloadStats()
+        self._free = list(range(host_pool.num_slots))
+        self._slots: dict[str, list[int]] = {}
+        self._pending: list[TransferHandle] = []
+
+    @property
+    def host_pool(self) -> HostPagePool:
+        """The current host pool (replaced by every page-out)."""
+        return self._host_pool
+
+    @property
+    def free_slots(self) -> int:
+        """Host slots not owned by any request."""
+        return len(self._free)
+
+    def host_slots(self, request_id: str) -> np.ndarray:
+        """``[n]`` host slots of ``request_id`` in logical page order (empty if none)."""
+        return np.asarray(self._slots.get(request_id, []), np.int32)
+
+    def _take_slots(self, fn: str, ids: np.ndarray, num_pages: int) -> list[int]:
+        """The first free slots for ``ids``, each on its page's device (not yet taken)."""
+        shards = page_shards(self._host_pool.k_pages)
+        if shards == 1 or num_pages % shards:
+            if ids.size > len(self._free):
+                raise ValueError(
+                    f"{fn}: page_ids: expected at most {len(self._free)} pages (free host "
+                    f"slots), got {ids.size}"
+                )
+            return self._free[: ids.size]
+        per_page, per_slot = num_pages // shards, self._host_pool.num_slots // shards
+        free = {d: [s for s in self._free if s // per_slot == d] for d in range(shards)}
+        slots = []
+        for page in ids.tolist():
+            mine = free[page // per_page]
+            if not mine:
+                raise ValueError(
+                    f"{fn}: page_ids: expected at most {per_slot} pages per device block with "
+                    f"free host slots, got more pages of block {page // per_page} than its "
+                    f"free slots"
+                )
+            slots.append(mine.pop(0))
+        return slots
+
+    # -- completion ----------------------------------------------------------------------------
+    def _issued(self, handle: TransferHandle) -> TransferHandle:
+        self.stats.record_issue(handle.direction, handle.nbytes)
+        self._pending.append(handle)
+        return handle
+
+    def _complete(self, handle: TransferHandle) -> None:
+        if any(h is handle for h in self._pending):
+            self._pending = [h for h in self._pending if h is not handle]
+            self.stats.record_transfer(
+                handle.direction,
+                handle.nbytes,
+                time.perf_counter() - handle.issued_at,
+                request_id=handle.request_id,
+                issued=True,
+            )
+
+    def wait(self, handle: TransferHandle):
+        """Blocks until ``handle`` has landed, records it, and returns its arrays.
+
+        Raises:
+          ValueError: if ``handle`` is not a :class:`~offload.TransferHandle`.
+        """
+        if not isinstance(handle, TransferHandle):
+            raise ValueError(
+                f"OffloadManager.wait: handle: expected a TransferHandle, got "
+                f"{type(handle).__name__}"
+            )
+        value = wait(handle)
+        self._complete(handle)
+        return value
+
+    def poll(self) -> int:
+        """Records every pending transfer that has landed; returns how many are still pending."""
+        for handle in list(self._pending):
+            if ready(handle):
+                self._complete(handle)
+        return len(self._pending)
+
+    # -- device <-> host -----------------------------------------------------------------------
+    def page_out(
+        self,
+        k_pages: Shaped[Array, "*L K P C H"],
+        v_pages: Shaped[Array, "*L K P C H"],
+        page_ids: IdList,
+        *,
+        request_id: str,
+    ) -> TransferHandle:
+        """Copies device pages to newly allocated host slots of ``request_id`` (asynchronous).
+
+        The pages are appended to the request's host pages, in order. The caller frees the
+        device pages in its own allocator afterwards.
+
+        Args:
+          k_pages: device keys ``[L, K, P, C, H]``.
+          v_pages: device values, same shape.
+          page_ids: ``[n]`` device page ids.
+          request_id: the owning request.
+
+        Returns:
+          The transfer's handle.
+
+        Raises:
+          ValueError: if fewer than ``n`` host slots are free, or on anything
+            :func:`~offload.page_out` rejects.
+        """
+        fn = "OffloadManager.page_out"
+        ids = check_ids(fn, "page_ids", page_ids, k_pages.shape[-3])
+        slots = self._take_slots(fn, ids, k_pages.shape[-3])
+        handle = page_out(k_pages, v_pages, ids, self._host_pool, slots, request_id=request_id)
+        self._host_pool = handle.value
+        taken = set(slots)
+        self._free = [s for s in self._free if s not in taken]
+        self._slots.setdefault(request_id, []).extend(slots)
+        self.stats.add_tier_bytes("host", handle.nbytes, request_id=request_id)
+        return self._issued(handle)
+
+    def page_in(
+        self,
+        k_pages: Shaped[Array, "*L K P C H"],
+        v_pages: Shaped[Array, "*L K P C H"],
+        page_ids: IdList,
+        *,
+        request_id: str,
+    ) -> TransferHandle:
+        """Copies all host pages of ``request_id`` into device pages ``page_ids`` and frees them.
+
+        Args:
+          k_pages: device keys ``[L, K, P, C, H]``, donated.
+          v_pages: device values, donated.
+          page_ids: ``[n]`` device pages to fill, ``n`` = the request's host page count.
+          request_id: the owning request.
+
+        Returns:
+          The transfer's handle; ``handle.value`` is ``(new_k_pages, new_v_pages)``.
+
+        Raises:
+          ValueError: if the request has no host pages or ``n`` does not match, or on anything
+            :func:`~offload.page_in` rejects.
+        """
+        fn = "OffloadManager.page_in"
+        slots = self._slots.get(request_id)
+        if not slots:
+            raise ValueError(f"{fn}: request_id: no host pages for {request_id!r}")
+        handle = page_in(self._host_pool, slots, k_pages, v_pages, page_ids, request_id=request_id)
+        self._release(request_id)
+        return self._issued(handle)
+
+    def prefetch(self, *, layer: int | np.integer, request_id: str) -> TransferHandle:
+        """Starts copying one layer of ``request_id``'s host pages to device (asynchronous).
+
+        Args:
+          layer: the layer index in ``[0, L)``.
+          request_id: the owning request.
+
+        Returns:
+          A handle whose value is ``(k, v)``, each ``[K, n, C, H]`` on device.
+
+        Raises:
+          ValueError: if the request has no host pages, or on anything
+            :func:`~offload.prefetch_layer` rejects.
+          NotImplementedError: on pools split along the page axis or the layer axis.
+        """
+        slots = self._slots.get(request_id)
+        if not slots:
+            raise ValueError(
+                f"OffloadManager.prefetch: request_id: no host pages for {request_id!r}"
+            )
+        handle = prefetch_layer(self._host_pool, slots, layer=layer, request_id=request_id)
+        return self._issued(handle)
+
+    def _release(self, request_id: str) -> int:
+        slots = self._slots.pop(request_id)
+        self._free.extend(slots)
+        nbytes = len(slots) * self._host_pool.page_nbytes
+        self.stats.add_tier_bytes("host", -nbytes, request_id=request_id)
+        return nbytes
+
+    def drop(self, request_id: str) -> None:
+        """Frees the host slots of ``request_id`` (a finished request).
+
+        Raises:
+          ValueError: if the request has no host pages.
+        """
+        if request_id not in self._slots:
+            raise ValueError(f"OffloadManager.drop: request_id: no host pages for {request_id!r}")
+        self._release(request_id)
+
+    # -- host <-> disk -------------------------------------------------------------------------
+    def _require_disk(self, fn: str) -> DiskStore:
+        if self.disk is None:
+            raise ValueError(f"{fn}: disk: expected the manager to have a DiskStore, got None")
+        return self.disk
+
+    def _require_unsplit(self, fn: str) -> None:
+        shards = page_shards(self._host_pool.k_pages)
+        if shards > 1:
+            raise NotImplementedError(
+                f"{fn}: host_pool: pools split along the page axis ({shards} devices) are not "
+                "supported by the disk tier; page the request in, or use one host pool per device"
+            )
+
+    def _sync_disk_bytes(self) -> None:
+        """Re-reads per-request disk bytes from the store (LRU eviction may drop entries)."""
+        store = self.disk
+        for request in self.stats.requests():
+            have = self.stats.tier_bytes("disk", request_id=request)
+            want = store.entry_nbytes(request) if request in store else 0
+            if have != want:
+                self.stats.add_tier_bytes("disk", want - have, request_id=request)
+        for request in store.keys():
+            have = self.stats.tier_bytes("disk", request_id=request)
+            if have != store.entry_nbytes(request):
+                self.stats.add_tier_bytes(
+                    "disk", store.entry_nbytes(request) - have, request_id=request
+                )
+
+    def spill(self, request_id: str) -> int:
+        """Moves all host pages of ``request_id`` to disk (synchronous) and frees its slots.
+
+        Returns:
+          Bytes written.
+
+        Raises:
+          ValueError: without a disk store, if the request has no host pages, or if its pages
+            exceed the disk budget.
+          NotImplementedError: for a host pool split along the page axis.
+        """
+        fn = "OffloadManager.spill"
+        store = self._require_disk(fn)
+        self._require_unsplit(fn)
+        slots = self._slots.get(request_id)
+        if not slots:
+            raise ValueError(f"{fn}: request_id: no host pages for {request_id!r}")
+        start = time.perf_counter()
+        pool = self._host_pool
+        shape = (*pool.k_pages.shape[:-3], len(slots), *pool.k_pages.shape[-2:])
+        zeros = zeros_fn(shape, pool.k_pages.dtype, pool.k_pages.sharding)
+        k, v, _ = copy_pages(
+            (pool.k_pages, pool.v_pages),
+            zeros(),
+            np.asarray(slots, np.int32),
+            np.arange(len(slots), dtype=np.int32),
+        )
+        nbytes = store.put(request_id, {"k": np.asarray(k), "v": np.asarray(v)})
+        self.stats.record_transfer(
+            "host_to_disk", nbytes, time.perf_counter() - start, request_id=request_id
+        )
+        self._release(request_id)
+        self._sync_disk_bytes()
+        return nbytes
+
+    def restore(self, request_id: str) -> int:
+        """Moves ``request_id``'s pages from disk into newly allocated host slots.
+
+        The entry is read and verified before anything is allocated or written, so a corrupt
+        entry leaves the host pool, the slots and the device untouched. The disk entry is
+        removed once the pages are on host.
+
+        Returns:
+          Bytes read.
+
+        Raises:
+          ValueError: without a disk store, if the entry is missing, shaped unlike the host
+            pool, or needs more host slots than are free.
+          NotImplementedError: for a host pool split along the page axis.
+          CorruptCacheError: if a file is missing, truncated or corrupted (names the path).
+        """
+        fn = "OffloadManager.restore"
+        store = self._require_disk(fn)
+        self._require_unsplit(fn)
+        start = time.perf_counter()
+        arrays = store.get(request_id)  # verified; raises before anything changes
+        pool = self._host_pool
+        k, v = arrays.get("k"), arrays.get("v")
+        want = (*pool.k_pages.shape[:-3], pool.k_pages.shape[-2:])
+        for name, x in (("k", k), ("v", v)):
+            if (
+                x is None
+                or x.ndim != pool.k_pages.ndim
+                or (*x.shape[:-3], x.shape[-2:]) != want
+                or x.dtype != pool.k_pages.dtype
+            ):
+                raise ValueError(
+                    f"{fn}: request_id: disk entry {request_id!r} array {name!r} does not match "
+                    f"the host pool {pool.k_pages.shape} {pool.k_pages.dtype}, got "
+                    f"{None if x is None else (x.shape, x.dtype)}"
+                )
+        n = k.shape[-3]
+        if n > len(self._free):
+            raise ValueError(
+                f"{fn}: request_id: expected at most {len(self._free)} pages (free host slots), "
+                f"got {n}"
+            )
+        sharding = pool.k_pages.sharding.with_memory_kind(PINNED_HOST)
+        staged = jax.device_put((k, v), (sharding, sharding))
+        slots = self._free[:n]
+        new_k, new_v, _ = copy_pages(
+            staged, (pool.k_pages, pool.v_pages), np.arange(n, dtype=np.int32), np.asarray(slots)
+        )
+        self._host_pool = HostPagePool(new_k, new_v)
+        jax.block_until_ready(self._host_pool)
+        del self._free[:n]
+        self._slots.setdefault(request_id, []).extend(slots)
+        nbytes = k.nbytes + v.nbytes
+        self.stats.record_transfer(
+            "disk_to_host", nbytes, time.perf_counter() - start, request_id=request_id
+        )
+        self.stats.add_tier_bytes("host", n * pool.page_nbytes, request_id=request_id)
+        store.delete(request_id)
+        self._sync_disk_bytes()
+        return nbytes

@@ -1,0 +1,236 @@
+"""The copy kernels behind the page transfers: in-place page writes across memory kinds.
+
+Moving pages never allocates a fresh host buffer: a copy is a jitted call that donates the
+target pool and writes each selected source page into its target slot with one
+``dynamic_update_slice`` (in place), with ``out_shardings`` in the target's memory kind; a
+fresh ``device_put`` of the same bytes was 3-5x slower on CPU and a gather + scatter 3-4x
+slower.
+
+XLA:CPU runs programs of under 1000 flops inline on the caller's thread; each kernel carries
+a tiny flop-counted marker output so that copies dispatch asynchronously there too, and
+handles poll the markers, which are never donated.
+
+Compiles: a list of ``n`` ids runs as power-of-two chunks (``n = 8 + 2 + 1`` is three calls),
+so each kernel compiles at most ``log2(P)`` times per pool shape.
+
+Pools split along the page axis are copied shard by shard: each device runs the kernel on its
+own shards (local page ids, local slots) and the global arrays are reassembled from the new
+shards, so nothing crosses devices.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from offload._host_pool import as_named, device_kind, page_shards, replicated
+from offload._tiers import PINNED_HOST
+
+__all__ = ["chunks", "check_same_shards", "copy_pages", "prefetch_fn"]
+
+
+def chunks(n: int) -> list[tuple[int, int]]:
+    """Splits ``range(n)`` into power-of-two runs ``(start, size)``, largest first.
+
+    Each run is one call to a kernel compiled for its static size, so a pool sees at most
+    ``log2(P)`` compiles per kernel and no padded (possibly clamped) writes.
+    """
+    runs, start = [], 0
+    for bit in reversed(range(n.bit_length())):
+        size = 1 << bit
+        if n & size:
+            runs.append((start, size))
+            start += size
+    return runs
+
+
+# A tiny flop-counted side output (a dot of the index list with a 128-vector, discarded)
+# makes the copy dispatch asynchronously on XLA:CPU, as it does on GPU/TPU.
+_ASYNC_MARKER_WIDTH = 128
+
+
+def _async_marker(ids):
+    weights = jnp.arange(_ASYNC_MARKER_WIDTH, dtype=jnp.float32)
+    return (ids.astype(jnp.float32)[:, None] * weights).sum()
+
+
+def _slice_page(pool, index):
+    return lax.dynamic_slice_in_dim(pool, index, 1, axis=pool.ndim - 3)  # [*L, K, 1, C, H]
+
+
+def _write_page(pool, page, index):
+    return lax.dynamic_update_slice_in_dim(pool, page, index, axis=pool.ndim - 3)
+
+
+@functools.lru_cache(maxsize=256)
+def _copy_pages_fn(source_sharding, target_sharding):
+    """``target[..., dst[i], :, :] = source[..., src[i], :, :]`` across memory kinds.
+
+    One ``dynamic_update_slice`` per page into the donated target, so XLA writes in place:
+    0.6-0.9x memcpy on CPU here, against under 0.3x for a gather + scatter of the same pages.
+    """
+    source_index = replicated(source_sharding, source_sharding.memory_kind)
+    target_index = replicated(target_sharding, target_sharding.memory_kind)
+    device_index = replicated(source_sharding, device_kind(source_sharding))
+
+    def fn(source, target, src, dst):
+        marker = _async_marker(src)
+        # Explicit placement of the indices: an operation needs all its operands in one
+        # memory space.
+        src, dst = jax.device_put(src, source_index), jax.device_put(dst, target_index)
+        for i in range(src.shape[0]):
+            page = jax.device_put(_slice_page(source, src[i]), target_sharding)
+            target = _write_page(target, page, dst[i])
+        return target, marker
+
+    return jax.jit(
+        fn,
+        donate_argnums=1,
+        in_shardings=(source_sharding, target_sharding, device_index, device_index),
+        out_shardings=(target_sharding, device_index),
+    )
+
+
+def _copy_global(source, target, src: np.ndarray, dst: np.ndarray):
+    fn = _copy_pages_fn(as_named(source[0].sharding), as_named(target[0].sharding))
+    target_k, target_v = target
+    markers = []
+    for start, size in chunks(src.size):
+        chunk_src, chunk_dst = src[start : start + size], dst[start : start + size]
+        # Keys and values are separate programs: XLA:CPU can run them on two threads, and
+        # one program holding both measured about 2x slower.
+        target_k, marker_k = fn(source[0], target_k, chunk_src, chunk_dst)
+        target_v, marker_v = fn(source[1], target_v, chunk_src, chunk_dst)
+        markers += [marker_k, marker_v]
+    return target_k, target_v, markers
+
+
+def check_same_shards(fn: str, name: str, src: np.ndarray, dst: np.ndarray, source, target):
+    """For pools split along the page axis: page ``src[i]`` and slot ``dst[i]`` share a device.
+
+    Raises:
+      ValueError: naming ``name`` (the destination ids) on the first pair that would cross.
+    """
+    shards = page_shards(target)
+    if shards == 1:
+        return
+    per_source = source.shape[-3] // shards
+    per_target = target.shape[-3] // shards
+    crossing = np.flatnonzero(src // per_source != dst // per_target)
+    if crossing.size:
+        i = int(crossing[0])
+        raise ValueError(
+            f"{fn}: {name}: expected each id on the same device as its partner (pools split "
+            f"along the page axis over {shards} devices keep {per_source} source and "
+            f"{per_target} destination ids per device), got {int(src[i])} (device block "
+            f"{int(src[i]) // per_source}) paired with {int(dst[i])} (device block "
+            f"{int(dst[i]) // per_target})"
+        )
+
+
+def _named_shard(shard):
+    """A shard's buffer as a one-device array with a named sharding (no copy).
+
+    ``jit`` tracks the memory space of an argument in its type only for named shardings.
+    """
+    data = shard.data
+    return jax.make_array_from_single_device_arrays(data.shape, as_named(data.sharding), [data])
+
+
+def _copy_per_shard(source, target, src: np.ndarray, dst: np.ndarray):
+    """The copy run by each device on its own shards (pools split along the page axis)."""
+    axis = target[0].ndim - 3
+    maps = [{s.device: s for s in x.addressable_shards} for x in (*source, *target)]
+    new_k, new_v, markers = [], [], []
+    for device, target_k in maps[2].items():
+        source_k, source_v, target_v = maps[0][device], maps[1][device], maps[3][device]
+        lo_src = source_k.index[axis].start or 0
+        hi_src = lo_src + source_k.data.shape[axis]
+        lo_dst = target_k.index[axis].start or 0
+        mine = (src >= lo_src) & (src < hi_src)
+        if not mine.any():
+            new_k.append(target_k.data)
+            new_v.append(target_v.data)
+            continue
+        k, v, done = _copy_global(
+            (_named_shard(source_k), _named_shard(source_v)),
+            (_named_shard(target_k), _named_shard(target_v)),
+            src[mine] - lo_src,
+            dst[mine] - lo_dst,
+        )
+        new_k.append(k)
+        new_v.append(v)
+        markers += done
+    shape, sharding = target[0].shape, target[0].sharding
+    k = jax.make_array_from_single_device_arrays(shape, sharding, new_k)
+    v = jax.make_array_from_single_device_arrays(shape, sharding, new_v)
+    return k, v, markers
+
+
+def copy_pages(source, target, src: np.ndarray, dst: np.ndarray):
+    """Copies pages ``src`` of the ``(k, v)`` pair ``source`` into slots ``dst`` of ``target``.
+
+    ``target`` is donated. Pools split along the page axis are copied device by device (the
+    pairs must not cross devices: :func:`check_same_shards`).
+
+    Returns:
+      ``(target_k, target_v, markers)``: the new target pair and the completion markers
+      (never donated, so a handle can poll them after the pools move on).
+    """
+    if page_shards(target[0]) > 1 or page_shards(source[0]) > 1:
+        k, v, markers = _copy_per_shard(source, target, src, dst)
+    else:
+        k, v, markers = _copy_global(source, target, src, dst)
+    return k, v, tuple(markers)
+
+
+def layer_sharding(sharding):
+    """The sharding of one layer ``[K, n, C, H]`` cut from a pool sharded as ``[L, K, P, C, H]``."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (5 - len(sharding.spec))
+        if spec[0] is not None:
+            raise NotImplementedError(
+                f"prefetch_layer: host_pool: pools sharded over the layer axis are not "
+                f"supported, got {spec}"
+            )
+        return jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]), memory_kind=device_kind(sharding)
+        )
+    return sharding.with_memory_kind(device_kind(sharding))
+
+
+@functools.lru_cache(maxsize=64)
+def prefetch_fn(host_sharding, contiguous: bool, into: bool):
+    """Copies pages ``slots`` of one layer to device, into a donated buffer when ``into``."""
+    target = layer_sharding(host_sharding)
+    host_index = replicated(host_sharding, PINNED_HOST)
+    device_index = replicated(host_sharding, device_kind(host_sharding))
+
+    def fn(pool, layer, slots, out=None):
+        marker = _async_marker(slots)
+        layer, slots = jax.device_put(layer, host_index), jax.device_put(slots, host_index)
+        L, K, P, C, H = pool.shape
+        n = slots.shape[0]
+        if contiguous:  # slots[0] ... slots[0] + n - 1: one slice, one copy
+            pages = lax.dynamic_slice(pool, (layer, 0, slots[0], 0, 0), (1, K, n, C, H))
+            pages = jax.device_put(pages[0], target)
+            return (pages if out is None else out.at[:].set(pages)), marker
+        # One slice per page straight from [L, K, P, C, H] (no layer copy first), written in
+        # place into the device buffer: measured 2-3x faster on CPU than slicing the layer
+        # out and concatenating the pages.
+        if out is None:
+            out = jax.device_put(jnp.zeros((K, n, C, H), pool.dtype), target)
+        for i in range(n):
+            page = lax.dynamic_slice(pool, (layer, 0, slots[i], 0, 0), (1, K, 1, C, H))
+            page = jax.device_put(page[0], target)  # [K, 1, C, H]
+            out = lax.dynamic_update_slice_in_dim(out, page, i, axis=1)
+        return out, marker
+
+    return jax.jit(
+        fn,
+        donate_argnums=(3,) if into else (),
+        in_shardings=(host_sharding, device_index, device_index) + ((target,) if into else ()),
+        out_shardings=(target, device_index),
+    )

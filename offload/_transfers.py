@@ -1,0 +1,257 @@
+"""Page transfers between a device pool and a host pool: page-out, page-in, layer prefetch.
+
+Every transfer takes its **source first, then its destination**, and returns one
+:class:`~offload.TransferHandle` whose ``value`` is the destination written:
+
+==================  =====================================================  ==================
+call                source -> destination                                  ``handle.value``
+==================  =====================================================  ==================
+``to_host``         ``tree`` -> host memory                                the host pytree
+``to_device``       ``tree`` -> device memory                              the device pytree
+``page_out``        ``k_pages, v_pages, page_ids`` -> ``host_pool, slots``  new ``HostPagePool``
+``page_in``         ``host_pool, slots`` -> ``k_pages, v_pages, page_ids``  ``(k_pages, v_pages)``
+``prefetch_layer``  ``host_pool, slots`` (one ``layer``) -> ``into``/fresh   ``(k, v)``
+==================  =====================================================  ==================
+
+The destination is donated where it is given (the host pool of :func:`page_out`, the device
+pool of :func:`page_in`, ``into`` of :func:`prefetch_layer`): its old arrays must not be used
+again; use ``handle.value``. Every call returns at once; JAX orders later uses of the arrays
+after the copy, and :func:`~offload.ready` / :func:`~offload.wait` tell when the data has
+landed. None of them is jittable (they dispatch their own compiled copies and check ids on
+the host); :func:`prefetch_layer` compiles once per distinct ``n`` and its layer index is
+traced.
+
+Index safety: page ids and host slots are checked eagerly (host-side bookkeeping: lists,
+numpy or concrete arrays), so every slice inside the kernels is in range and nothing is
+padded; no call can read or overwrite another sequence's page.
+
+Layouts: per-layer ``[K, P, C, H]`` and stacked ``[L, K, P, C, H]`` pools, on one device,
+replicated, split over kv heads, or split along the page axis over ``D`` devices (the
+layout of ``paged.sharded_paged_attention``). A pool split along the page axis has
+*per-device slots*: device ``d`` holds pages ``[d * P_d, (d + 1) * P_d)`` and host slots
+``[d * S_d, (d + 1) * S_d)``, and each page moves only to a slot of its own device (a pair
+that would cross devices is a ``ValueError``). :func:`prefetch_layer` does not support such
+pools (its result would be spread over devices unevenly): ``NotImplementedError``.
+"""
+
+import jax
+import numpy as np
+from jaxtyping import Array, Shaped
+
+from offload._checks import IdList, check_ids, check_int, check_unique
+from offload._host_pool import (
+    HostPagePool,
+    as_named,
+    check_device,
+    check_host,
+    check_match,
+    page_shards,
+)
+from offload._page_copy import check_same_shards, copy_pages, prefetch_fn
+from offload._tiers import TransferHandle
+
+__all__ = ["page_in", "page_out", "prefetch_layer"]
+
+
+def _check_pairs(fn: str, src, dst, dst_name: str, source, target) -> None:
+    if src.size != dst.size:
+        raise ValueError(
+            f"{fn}: {dst_name}: expected as many ids as the source ids ({src.size}), got {dst.size}"
+        )
+    check_unique(fn, dst_name, dst)
+    check_same_shards(fn, dst_name, src, dst, source, target)
+
+
+def page_out(
+    k_pages: Shaped[Array, "*L K P C H"],
+    v_pages: Shaped[Array, "*L K P C H"],
+    page_ids: IdList,
+    host_pool: HostPagePool,
+    host_slots: IdList,
+    *,
+    request_id: str | None = None,
+) -> TransferHandle:
+    """Copies device pages ``page_ids`` into host slots ``host_slots`` (asynchronous).
+
+    Source (the device pool and its page ids) first, then destination (the host pool and its
+    slots). ``host_pool`` is donated: its buffers are written in place and must not be used
+    again; use ``handle.value``. The device pool is only read. Not jittable: call it eagerly
+    (it is host-side orchestration of compiled, in-place copies).
+
+    Args:
+      k_pages: device keys ``[L, K, P, C, H]`` (or ``[K, P, C, H]``).
+      v_pages: device values, same shape, dtype and sharding.
+      page_ids: ``[n]`` device page ids in ``[0, P)`` (a list, numpy or concrete array).
+      host_pool: the :class:`~offload.HostPagePool` to write, ``[L, K, P_host, C, H]``.
+      host_slots: ``[n]`` distinct host slots in ``[0, P_host)``; for pools split along the
+        page axis, each on the device of its page.
+      request_id: recorded on the handle for accounting.
+
+    Returns:
+      A :class:`~offload.TransferHandle`: ``value`` is the new :class:`~offload.HostPagePool`,
+      ``direction`` ``"device_to_host"``, ``nbytes`` the bytes copied (keys and values, all
+      layers).
+
+    Raises:
+      ValueError: on mismatched pools, pools in the wrong memory kind, ids that are not 1-D
+        integers of equal length, out of range, repeated host slots, or (pools split along
+        the page axis) a page and a slot on different devices.
+
+    Example:
+      >>> k = jnp.ones((2, 4, 8, 16, 32)); host = make_host_page_pool(k, k, 64)
+      >>> host = wait(page_out(k, k, [3, 5], host, [0, 1]))
+    """
+    fn = "page_out"
+    check_device(fn, k_pages, v_pages)
+    check_host(fn, host_pool)
+    check_match(fn, host_pool, k_pages)
+    src = check_ids(fn, "page_ids", page_ids, k_pages.shape[-3])
+    dst = check_ids(fn, "host_slots", host_slots, host_pool.num_slots)
+    _check_pairs(fn, src, dst, "host_slots", k_pages, host_pool.k_pages)
+    new_k, new_v, done = copy_pages(
+        (k_pages, v_pages), (host_pool.k_pages, host_pool.v_pages), src, dst
+    )
+    new_pool = HostPagePool(new_k, new_v)
+    nbytes = src.size * new_pool.page_nbytes
+    return TransferHandle(new_pool, "device_to_host", nbytes, request_id=request_id, done=done)
+
+
+def page_in(
+    host_pool: HostPagePool,
+    host_slots: IdList,
+    k_pages: Shaped[Array, "*L K P C H"],
+    v_pages: Shaped[Array, "*L K P C H"],
+    page_ids: IdList,
+    *,
+    request_id: str | None = None,
+) -> TransferHandle:
+    """Copies host slots ``host_slots`` into device pages ``page_ids`` (asynchronous).
+
+    Source (the host pool and its slots) first, then destination (the device pool and its
+    page ids). ``k_pages`` and ``v_pages`` are donated and written in place; use
+    ``handle.value``. The host pool is only read (free its slots in your allocator when you
+    no longer need them). Not jittable: call it eagerly.
+
+    Args:
+      host_pool: the :class:`~offload.HostPagePool` to read, ``[L, K, P_host, C, H]``.
+      host_slots: ``[n]`` host slots in ``[0, P_host)``.
+      k_pages: device keys ``[L, K, P, C, H]`` (or ``[K, P, C, H]``), donated.
+      v_pages: device values, same shape, dtype and sharding, donated.
+      page_ids: ``[n]`` distinct device page ids in ``[0, P)``; for pools split along the
+        page axis, each on the device of its slot.
+      request_id: recorded on the handle for accounting.
+
+    Returns:
+      A :class:`~offload.TransferHandle`: ``value`` is ``(new_k_pages, new_v_pages)``,
+      ``direction`` ``"host_to_device"``.
+
+    Raises:
+      ValueError: on mismatched pools, pools in the wrong memory kind, ids that are not 1-D
+        integers of equal length, out of range, repeated device page ids, or (pools split
+        along the page axis) a slot and a page on different devices.
+
+    Example:
+      >>> k = jnp.ones((2, 4, 8, 16, 32)); host = make_host_page_pool(k, k, 64)
+      >>> k2, v2 = wait(page_in(host, [0, 1], jnp.zeros_like(k), jnp.zeros_like(k), [1, 2]))
+    """
+    fn = "page_in"
+    check_host(fn, host_pool)
+    check_device(fn, k_pages, v_pages)
+    check_match(fn, host_pool, k_pages)
+    src = check_ids(fn, "host_slots", host_slots, host_pool.num_slots)
+    dst = check_ids(fn, "page_ids", page_ids, k_pages.shape[-3])
+    _check_pairs(fn, src, dst, "page_ids", host_pool.k_pages, k_pages)
+    new_k, new_v, done = copy_pages(
+        (host_pool.k_pages, host_pool.v_pages), (k_pages, v_pages), src, dst
+    )
+    nbytes = src.size * host_pool.page_nbytes
+    return TransferHandle(
+        (new_k, new_v), "host_to_device", nbytes, request_id=request_id, done=done
+    )
+
+
+def prefetch_layer(
+    host_pool: HostPagePool,
+    host_slots: IdList,
+    *,
+    layer: int | np.integer,
+    into: tuple[Shaped[Array, "K n C H"], Shaped[Array, "K n C H"]] | None = None,
+    request_id: str | None = None,
+) -> TransferHandle:
+    """Starts copying one layer's host pages to device arrays (asynchronous).
+
+    Source (the host pool and its slots, of one ``layer``) first; the destination is ``into``
+    when given (donated), else fresh device arrays. Issue it for layer ``l + 1`` before
+    computing layer ``l``: the copy then overlaps the compute, and ``wait(handle)`` at layer
+    ``l + 1`` finds the data there. ``layer`` is traced inside the kernel, so one compile
+    serves every layer (one per distinct ``n``). Consecutive slots (``s, s + 1, ...``, what
+    :class:`~offload.OffloadManager` hands out to a request paged out at once) are copied as
+    one block instead of page by page. Not jittable: call it eagerly.
+
+    Args:
+      host_pool: a :class:`~offload.HostPagePool` with arrays ``[L, K, P_host, C, H]``.
+      host_slots: ``[n]`` host slots in ``[0, P_host)``, in the order wanted on device.
+      layer: the layer index in ``[0, L)``: an int or numpy integer (a float is rejected,
+        never truncated).
+      into: optional staging buffers ``(k, v)``, each ``[K, n, C, H]`` on device, donated and
+        written in place. Without them each call allocates fresh device arrays, which costs
+        page faults on CPU; a decode loop can rotate two pairs (layer ``l + 2`` reuses layer
+        ``l``'s pair once layer ``l`` is computed).
+      request_id: recorded on the handle for accounting.
+
+    Returns:
+      A :class:`~offload.TransferHandle` whose ``value`` is ``(k, v)``, each ``[K, n, C, H]``
+      in device memory with the pool's sharding of the ``K`` axis; ``direction``
+      ``"host_to_device"``.
+
+    Raises:
+      ValueError: if the pool is not rank 5, ``layer`` is not an int in range,
+        ``host_slots`` is not a non-empty 1-D integer sequence in range, or ``into`` is not a
+        pair of ``[K, n, C, H]`` arrays of the pool's dtype.
+      NotImplementedError: if the pool is sharded over its layer axis or its page axis.
+
+    Example:
+      >>> k = jnp.ones((2, 4, 8, 16, 32)); host = make_host_page_pool(k, k, 64)
+      >>> pk, pv = wait(prefetch_layer(host, [0, 5], layer=1))
+      >>> pk.shape
+      (4, 2, 16, 32)
+    """
+    fn = "prefetch_layer"
+    check_host(fn, host_pool)
+    if host_pool.k_pages.ndim != 5:
+        raise ValueError(
+            f"{fn}: host_pool: expected pools [L, K, P_host, C, H], got {host_pool.k_pages.shape}"
+        )
+    num_layers = host_pool.k_pages.shape[0]
+    layer = check_int(fn, "layer", layer, low=0, high=num_layers)
+    slots = check_ids(fn, "host_slots", host_slots, host_pool.num_slots)
+    if slots.size == 0:
+        raise ValueError(f"{fn}: host_slots: expected at least one slot, got none")
+    if page_shards(host_pool.k_pages) > 1:
+        raise NotImplementedError(
+            f"{fn}: host_pool: pools split along the page axis are not supported (their slots "
+            f"live on {page_shards(host_pool.k_pages)} devices, so one layer's pages would be "
+            "spread over them unevenly); use page_in into the split device pool instead"
+        )
+    if into is not None:
+        want = (host_pool.k_pages.shape[1], slots.size, *host_pool.k_pages.shape[-2:])
+        if (
+            not isinstance(into, tuple)
+            or len(into) != 2
+            or not all(isinstance(x, jax.Array) for x in into)
+            or any(x.shape != want or x.dtype != host_pool.k_pages.dtype for x in into)
+        ):
+            got = [(x.shape, x.dtype) if hasattr(x, "shape") else type(x).__name__ for x in into]
+            raise ValueError(
+                f"{fn}: into: expected a pair of device arrays {want} "
+                f"{host_pool.k_pages.dtype}, got {got}"
+            )
+    contiguous = bool(np.all(np.diff(slots) == 1))
+    fetch = prefetch_fn(as_named(host_pool.k_pages.sharding), contiguous, into is not None)
+    extra = ((into[0],), (into[1],)) if into is not None else ((), ())
+    k, marker_k = fetch(host_pool.k_pages, np.int32(layer), slots, *extra[0])
+    v, marker_v = fetch(host_pool.v_pages, np.int32(layer), slots, *extra[1])
+    nbytes = slots.size * host_pool.page_nbytes // num_layers
+    return TransferHandle(
+        (k, v), "host_to_device", nbytes, request_id=request_id, done=(marker_k, marker_v)
+    )

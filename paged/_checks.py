@@ -1,0 +1,160 @@
+"""Input checks shared by every public entry of ``paged`` (one error format everywhere).
+
+Every check raises ``ValueError(f"{fn}: {arg}: expected {X}, got {Y}")``. Scalar options:
+an int option accepts Python ``int`` and numpy integer scalars and returns a Python ``int``;
+``bool``, floats (``3.0`` included: never truncated) and everything else are rejected. A
+float option accepts ints and floats of Python or numpy and returns a Python ``float``.
+"""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "check_array",
+    "check_heads",
+    "check_pages",
+    "check_table",
+    "describe",
+    "float_option",
+    "host_int_array",
+    "int_option",
+    "is_int",
+    "layer_index",
+]
+
+
+def is_int(x) -> bool:
+    """A Python or numpy integer scalar, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def describe(x) -> str:
+    """``shape (..) dtype ..`` of an array, or the repr of anything else."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"shape {tuple(x.shape)} dtype {x.dtype}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def int_option(fn: str, name: str, value, *, minimum: int | None = None) -> int:
+    """Checks an int option (``int`` or numpy integer, ``>= minimum``); returns ``int``."""
+    if not is_int(value) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{fn}: {name}: expected an int{bound}, got {value!r}")
+    return int(value)
+
+
+def float_option(
+    fn: str, name: str, value, *, positive: bool = False, finite: bool = True
+) -> float:
+    """Checks a float option (int/float, Python or numpy, not bool); returns ``float``."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+    if ok:
+        f = float(value)
+        ok = not math.isnan(f) and (not finite or math.isfinite(f)) and (not positive or f > 0)
+    if not ok:
+        what = "a positive finite float" if positive else "a finite float"
+        raise ValueError(f"{fn}: {name}: expected {what}, got {value!r}")
+    return float(value)
+
+
+def layer_index(fn: str, value, num_layers: int, *, traced_ok: bool):
+    """A layer index: an int in ``[0, L)``, or (``traced_ok``) an integer 0-d array.
+
+    A float (Python, numpy or a float array) is a ``ValueError``, never truncated.
+    """
+    if is_int(value):
+        if not 0 <= value < num_layers:
+            raise ValueError(f"{fn}: layer: expected an int in [0, {num_layers}), got {value!r}")
+        return int(value)
+    if (
+        traced_ok
+        and hasattr(value, "dtype")
+        and hasattr(value, "shape")
+        and tuple(value.shape) == ()
+        and jnp.issubdtype(value.dtype, jnp.integer)
+    ):
+        return value
+    want = "an int or an integer 0-d array" if traced_ok else f"an int in [0, {num_layers})"
+    raise ValueError(f"{fn}: layer: expected {want}, got {describe(value)}")
+
+
+def check_array(fn: str, name: str, x, ndim: int, kind) -> None:
+    """An array of rank ``ndim`` and dtype kind ``jnp.floating`` / ``jnp.integer``."""
+    what = "floating point" if kind is jnp.floating else "integer"
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{fn}: {name}: expected a rank-{ndim} {what} array, got {describe(x)}")
+    if x.ndim != ndim:
+        raise ValueError(f"{fn}: {name}: expected rank {ndim}, got {describe(x)}")
+    if not jnp.issubdtype(x.dtype, kind):
+        raise ValueError(f"{fn}: {name}: expected a {what} array, got {describe(x)}")
+
+
+def check_pages(fn: str, k_pages, v_pages) -> tuple[int, int, int, int]:
+    """Checks ``k_pages, v_pages [K, P, C, H]``; returns ``(K, P, C, H)``."""
+    check_array(fn, "k_pages", k_pages, 4, jnp.floating)
+    check_array(fn, "v_pages", v_pages, 4, jnp.floating)
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            f"{fn}: v_pages: expected the shape and dtype of k_pages ({describe(k_pages)}), "
+            f"got {describe(v_pages)}"
+        )
+    K, P, C, H = k_pages.shape
+    for letter, size in zip("KPCH", (K, P, C, H), strict=True):
+        if size < 1:
+            raise ValueError(
+                f"{fn}: k_pages: expected non-empty dims [K, P, C, H], got {k_pages.shape} "
+                f"({letter} = 0)"
+            )
+    return K, P, C, H
+
+
+def check_table(fn: str, page_table, lengths, B: int | None) -> tuple[int, int]:
+    """Checks ``page_table [B, M]`` and ``lengths [B]`` (integers); returns ``(B, M)``."""
+    check_array(fn, "page_table", page_table, 2, jnp.integer)
+    check_array(fn, "lengths", lengths, 1, jnp.integer)
+    Bt, M = page_table.shape
+    if B is not None and Bt != B:
+        raise ValueError(
+            f"{fn}: page_table: expected {B} rows (the batch), got shape {page_table.shape}"
+        )
+    if lengths.shape != (Bt,):
+        raise ValueError(f"{fn}: lengths: expected shape ({Bt},), got {describe(lengths)}")
+    if M < 1:
+        raise ValueError(
+            f"{fn}: page_table: expected at least one column (M >= 1), got {page_table.shape}"
+        )
+    return Bt, M
+
+
+def check_heads(fn: str, q, K: int, H: int, pool_dtype) -> None:
+    """Query heads ``N`` (``q.shape[-2]``) a positive multiple of ``K``, same ``H`` and dtype."""
+    N, Hq = q.shape[-2], q.shape[-1]
+    if Hq != H:
+        raise ValueError(f"{fn}: q: expected head dim {H} (that of k_pages), got {q.shape}")
+    if N < 1 or N % K != 0:
+        raise ValueError(
+            f"{fn}: q: expected query heads N a positive multiple of kv heads K={K} "
+            f"(MHA, GQA, MQA), got N={N}"
+        )
+    if q.dtype != pool_dtype:
+        raise ValueError(f"{fn}: q: expected dtype {pool_dtype} (the pages' dtype), got {q.dtype}")
+
+
+def host_int_array(fn: str, name: str, x, ndim: int) -> np.ndarray:
+    """A concrete numpy integer array of rank ``ndim`` (empty lists become int64)."""
+    try:
+        array = np.asarray(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{fn}: {name}: expected a {ndim}-D integer array, got {x!r}") from None
+    if array.size == 0 and array.dtype.kind not in "iu":
+        array = array.astype(np.int64)
+    if array.ndim != ndim or array.dtype.kind not in "iu":
+        raise ValueError(
+            f"{fn}: {name}: expected a {ndim}-D integer array, got shape {array.shape} "
+            f"dtype {array.dtype}"
+        )
+    return array

@@ -1,0 +1,144 @@
+"""Page tables: eager, loud checks (for tests, notebooks, debugging) and the conversion from
+zero-based tables (JAX's and vLLM's, where page 0 is an ordinary page).
+
+The device functions are safe by construction on any table (bad ids are masked or dropped);
+:func:`validate_page_table` and :func:`validate` say *which* entry is wrong, with
+``ValueError`` naming it.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from paged._cache import PagedKVCache
+from paged._checks import check_array, host_int_array, int_option
+
+__all__ = ["from_zero_based_table", "validate", "validate_page_table"]
+
+IntScalar = int | np.integer
+
+
+def validate_page_table(
+    page_table: Int[Array | np.ndarray, "B M"],
+    lengths: Int[Array | np.ndarray, " B"],
+    *,
+    num_pages: IntScalar,
+    page_size: IntScalar,
+) -> None:
+    """Eagerly checks a page table against a pool; raises on anything unsafe or inconsistent.
+
+    Checks: ids in ``[0, num_pages)``; ``0 <= lengths <= M * page_size``; every slot holding
+    a valid token (``j < ceil(lengths / C)``) names a real page (not the null page 0); no page
+    appears twice among one sequence's used slots. (Sharing a page across sequences is legal:
+    prefix caching and forks do it.)
+
+    Args:
+      page_table: ``[B, M]`` int page ids (concrete, not traced).
+      lengths: ``[B]`` int lengths.
+      num_pages: ``P``, pool size including the null page.
+      page_size: ``C``.
+
+    Raises:
+      ValueError: naming the first offending sequence and slot.
+
+    Example:
+      >>> validate_page_table(jnp.array([[1, 0]]), jnp.array([2]), num_pages=4, page_size=2)
+    """
+    fn = "validate_page_table"
+    num_pages = int_option(fn, "num_pages", num_pages, minimum=1)
+    page_size = int_option(fn, "page_size", page_size, minimum=1)
+    table = host_int_array(fn, "page_table", page_table, 2)
+    lens = host_int_array(fn, "lengths", lengths, 1)
+    if lens.shape != (table.shape[0],):
+        raise ValueError(
+            f"{fn}: lengths: expected page_table [B, M] and lengths [B], got {table.shape} "
+            f"and {lens.shape}"
+        )
+    B, M = table.shape
+    bad = np.argwhere((table < 0) | (table >= num_pages))
+    if bad.size:
+        b, j = bad[0]
+        raise ValueError(
+            f"{fn}: page_table[{b}, {j}]: expected an id in [0, {num_pages}), got "
+            f"{table[b, j]} (page_table[{b}, {j}] = {table[b, j]} is out of range)"
+        )
+    for b in range(B):
+        if not 0 <= lens[b] <= M * page_size:
+            raise ValueError(
+                f"{fn}: lengths[{b}]: expected a length in [0, {M * page_size}] (capacity), "
+                f"got {lens[b]} (lengths[{b}] = {lens[b]} is outside)"
+            )
+        used = table[b, : -(-int(lens[b]) // page_size)]
+        null = np.flatnonzero(used == 0)
+        if null.size:
+            raise ValueError(
+                f"{fn}: page_table[{b}, {null[0]}]: expected a real page (sequence {b} has "
+                f"{lens[b]} tokens), got 0: slot {null[0]} is the null page"
+            )
+        ids, counts = np.unique(used, return_counts=True)
+        if np.any(counts > 1):
+            raise ValueError(
+                f"{fn}: page_table[{b}]: expected distinct pages, got sequence {b} uses page "
+                f"{ids[counts > 1][0]} twice"
+            )
+
+
+def validate(cache: PagedKVCache) -> None:
+    """Eagerly checks a cache's shapes and page table (see :func:`validate_page_table`).
+
+    Raises:
+      ValueError: on inconsistent shapes, out-of-range ids, lengths over capacity, a null page
+        inside a sequence, or a page used twice by one sequence.
+
+    Example:
+      >>> from paged import init_paged_cache
+      >>> validate(init_paged_cache(1, 1, 4, 2, 8, batch=2, max_pages_per_seq=2))
+    """
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"validate: cache: expected a PagedKVCache, got {type(cache).__name__}")
+    if cache.k_pages.ndim != 5 or cache.k_pages.shape != cache.v_pages.shape:
+        raise ValueError(
+            f"validate: v_pages: expected k_pages and v_pages to both be [L, K, P, C, H] "
+            f"(must both be one shape), got {cache.k_pages.shape} and {cache.v_pages.shape}"
+        )
+    if cache.page_table.ndim != 2 or cache.lengths.shape != (cache.page_table.shape[0],):
+        raise ValueError(
+            f"validate: lengths: expected page_table [B, M] and lengths [B], got "
+            f"{cache.page_table.shape} and {cache.lengths.shape}"
+        )
+    validate_page_table(
+        cache.page_table,
+        cache.lengths,
+        num_pages=cache.k_pages.shape[2],
+        page_size=cache.k_pages.shape[3],
+    )
+
+
+def from_zero_based_table(
+    page_table: Int[Array | np.ndarray, "B M"],
+) -> Int[Array, "B M"]:
+    """Converts a JAX / vLLM page table (page 0 an ordinary page) to ours (page 0 null).
+
+    In ``jax.experimental.pallas.ops.tpu`` paged attention and in vLLM, page 0 is an ordinary
+    page; here it is the reserved null page (masked, never written). The conversion is one
+    shift: ``page_table + 1``, with pools that hold ``P + 1`` pages, the null page first and
+    zero-based page ``i`` at index ``i + 1``. Allocate ``P + 1`` pages from the start, or pad
+    existing pools once: ``jnp.pad(pages, ((0, 0), (1, 0), (0, 0), (0, 0)))`` for ``[K, P, C,
+    H]``. Table entries past a sequence's length may hold anything: they are masked by
+    ``lengths``. Jittable.
+
+    Args:
+      page_table: ``[B, M]`` int zero-based page ids.
+
+    Returns:
+      ``[B, M]`` int32 ids for a pool with the null page at 0.
+
+    Raises:
+      ValueError: if ``page_table`` is not a 2-D int array.
+
+    Example:
+      >>> from_zero_based_table(np.array([[0, 2], [1, 0]])).tolist()
+      [[1, 3], [2, 1]]
+    """
+    check_array("from_zero_based_table", "page_table", page_table, 2, jnp.integer)
+    return jnp.asarray(page_table, jnp.int32) + 1
