@@ -56,14 +56,12 @@ def bench_throughput(reps: int) -> list[str]:
     state = {"host": host, "k": k, "v": v}
 
     def do_page_out():
-        state["host"], handle = page_out(state["host"], state["k"], state["v"], ids, slots)
-        wait(handle)
+        state["host"] = wait(page_out(state["k"], state["v"], ids, state["host"], slots))
 
     def do_page_in():
-        state["k"], state["v"], handle = page_in(
-            state["host"], slots, state["k"], state["v"], ids[::-1]
+        state["k"], state["v"] = wait(
+            page_in(state["host"], slots, state["k"], state["v"], ids[::-1])
         )
-        wait(handle)
 
     def fresh_device_put():
         to_host(fresh_source).block_until_ready()  # a new host buffer each time
@@ -158,8 +156,7 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
     # The first 80% of the sequence's pages go to host (older tokens); the recent 20% stay.
     host = make_host_page_pool(k_all, v_all, host_pages + 1)
     host_ids = np.arange(1, host_pages + 1)
-    host, handle = page_out(host, k_all, v_all, host_ids, np.arange(1, host_pages + 1))
-    wait(handle)
+    host = wait(page_out(k_all, v_all, host_ids, host, np.arange(1, host_pages + 1)))
     # Slot 0 of the host pool is fetched too and lands at index 0: the fetched array is then a
     # pool whose page 0 is a (masked) null page.
     fetch_slots = np.arange(0, host_pages + 1)
@@ -185,7 +182,7 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
     def on_demand():
         outs = []
         for l in range(L):
-            handle = prefetch_layer(host, l, fetch_slots, into=staging[l % 2])
+            handle = prefetch_layer(host, fetch_slots, layer=l, into=staging[l % 2])
             k_cold, v_cold = staging[l % 2] = wait(handle)
             outs.append(attend_mixed(q, k_dev[l], v_dev[l], dev_table, k_cold, v_cold, cold_table))
             outs[-1].block_until_ready()  # each layer's output feeds the next in a real model
@@ -193,11 +190,11 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
 
     def prefetched():
         outs = []
-        pending = prefetch_layer(host, 0, fetch_slots, into=staging[0])
+        pending = prefetch_layer(host, fetch_slots, layer=0, into=staging[0])
         for l in range(L):
             current = pending
             if l + 1 < L:  # its pair was last used by layer l - 1, already computed
-                pending = prefetch_layer(host, l + 1, fetch_slots, into=staging[(l + 1) % 2])
+                pending = prefetch_layer(host, fetch_slots, layer=l + 1, into=staging[(l + 1) % 2])
             k_cold, v_cold = staging[l % 2] = wait(current)
             outs.append(attend_mixed(q, k_dev[l], v_dev[l], dev_table, k_cold, v_cold, cold_table))
             outs[-1].block_until_ready()
@@ -205,17 +202,17 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
 
     def prefetched_fresh():
         outs = []
-        pending = prefetch_layer(host, 0, fetch_slots)
+        pending = prefetch_layer(host, fetch_slots, layer=0)
         for l in range(L):
             current = pending
             if l + 1 < L:
-                pending = prefetch_layer(host, l + 1, fetch_slots)
+                pending = prefetch_layer(host, fetch_slots, layer=l + 1)
             k_cold, v_cold = wait(current)
             outs.append(attend_mixed(q, k_dev[l], v_dev[l], dev_table, k_cold, v_cold, cold_table))
             outs[-1].block_until_ready()
         return outs
 
-    fetched = [wait(prefetch_layer(host, l, fetch_slots)) for l in range(L)]
+    fetched = [wait(prefetch_layer(host, fetch_slots, layer=l)) for l in range(L)]
 
     def split_no_transfer():
         # The mixed path's attention alone: host pages already fetched (lower bound for the
@@ -229,7 +226,7 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
 
     def transfer_only():
         for l in range(L):
-            staging[l % 2] = wait(prefetch_layer(host, l, fetch_slots, into=staging[l % 2]))
+            staging[l % 2] = wait(prefetch_layer(host, fetch_slots, layer=l, into=staging[l % 2]))
 
     # Correctness: every mode returns the same outputs.
     expected = all_on_device()

@@ -205,7 +205,7 @@ for seq in range(B_DEC):
 k_prefill = jnp.concatenate([k_long, with_heavy_hitters(jax.random.normal(kk, k_long.shape))])
 v_prefill = jnp.concatenate([v_long, jax.random.normal(kv, v_long.shape)], axis=0)
 cache = paged.init_paged_cache(1, K, 2 * M + 8, C, H, batch=B_DEC, max_pages_per_seq=M)
-cache = cache._replace(page_table=jnp.asarray(alloc.page_table(range(B_DEC))))
+cache = paged.with_page_table(cache, alloc.page_table(range(B_DEC)))  # host -> device hand-off
 cache = paged.write(cache, k_prefill[None], v_prefill[None], 0)  # [L=1, B, S, K, H]
 paged.validate(cache)
 
@@ -218,8 +218,10 @@ for step in range(DECODE_STEPS):
     k_new = jax.random.normal(ks[1], (B_DEC, K, H))
     v_new = jax.random.normal(ks[2], (B_DEC, K, H))
     for seq in range(B_DEC):
-        alloc.extend(seq, S_LONG + step + 1)
-    cache = cache._replace(page_table=jnp.asarray(alloc.page_table(range(B_DEC))))
+        plan = alloc.extend(seq, S_LONG + step + 1)  # a CopyPlan, usually empty
+        cache = paged.copy_pages(cache, plan)  # copy-on-write of a shared last page, if any
+    # The device's own lengths advance with `append`; the host only added pages.
+    cache = paged.with_page_table(cache, alloc.page_table(range(B_DEC)))
     cache = paged.append(cache, k_new[None], v_new[None])
     out = decode(q_new, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths)
     k_all = jnp.concatenate([k_all, k_new[:, None]], axis=1)
@@ -290,8 +292,7 @@ full = paged.paged_attention(
 )
 approx = offload.mixed_residency_attention(q_step, k_dev[0], v_dev[0], device_table, cache.lengths)
 staging_k, staging_v = jnp.zeros_like(cache.k_pages), jnp.zeros_like(cache.v_pages)
-cold_k, cold_v, handle = manager.page_in(staging_k, staging_v, cold_ids, request_id="doc")
-manager.wait(handle)
+cold_k, cold_v = manager.wait(manager.page_in(staging_k, staging_v, cold_ids, request_id="doc"))
 exact = offload.mixed_residency_attention(
     q_step,
     k_dev[0],
