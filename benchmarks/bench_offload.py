@@ -64,7 +64,7 @@ def bench_throughput(reps: int) -> list[str]:
         )
 
     def fresh_device_put():
-        to_host(fresh_source).block_until_ready()  # a new host buffer each time
+        wait(to_host(fresh_source))  # a new host buffer each time
 
     timings = _common.time_interleaved(
         {
