@@ -237,7 +237,7 @@ class DiskStore:
         return self._entry_dir(_check_key("DiskStore.path", key))
 
     # -- writing -----------------------------------------------------------------------------
-    def put(self, key: str, arrays: Mapping[str, "np.ndarray | jax.Array"]) -> int:
+    def put(self, key: str, arrays: Mapping[str, "np.ndarray | np.generic | jax.Array"]) -> int:
         """Writes (or replaces) entry ``key`` and returns the array bytes written.
 
         Args:

@@ -201,7 +201,7 @@ class TransferHandle:
     request_id: str | None = None
     done: Any = None
 
-    def _events(self) -> list[jax.Array]:
+    def _events(self) -> list:  # jax.Arrays, or anything with is_ready()
         return jax.tree_util.tree_leaves(self.value if self.done is None else self.done)
 
 

@@ -75,10 +75,15 @@ def test_host_memory_kind_errors():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_round_trip_bit_exact(dtype):
     tree = {"k": _random((2, 3, 4, 8), dtype), "v": [_random((5,), dtype, seed=1)]}
-    host = to_host(tree)
+    handle = to_host(tree)
+    assert isinstance(handle, TransferHandle) and handle.direction == "device_to_host"
+    assert handle.nbytes == sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+    host = wait(handle)
     for leaf in jax.tree_util.tree_leaves(host):
         assert leaf.sharding.memory_kind == "pinned_host"
-    back = to_device(host)
+    back_handle = to_device(host, request_id="r")
+    assert back_handle.direction == "host_to_device" and back_handle.request_id == "r"
+    back = wait(back_handle)
     for leaf, orig in zip(
         jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(tree), strict=True
     ):
@@ -89,9 +94,9 @@ def test_round_trip_bit_exact(dtype):
 
 def test_unpinned_host_kind():
     x = _random((4, 8), jnp.bfloat16)
-    host = to_host(x, memory_kind="unpinned_host")
+    host = wait(to_host(x, memory_kind="unpinned_host"))
     assert host.sharding.memory_kind == "unpinned_host"
-    np.testing.assert_array_equal(_bits(to_device(host)), _bits(x))
+    np.testing.assert_array_equal(_bits(wait(to_device(host))), _bits(x))
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
@@ -102,8 +107,8 @@ def test_shardings_preserved_on_8_device_mesh(axis_type):
         jax.device_put(_random((4, 8, 2), jnp.float32, seed=i), NamedSharding(mesh, s))
         for i, s in enumerate(specs)
     ]
-    host = to_host(tree)
-    back = to_device(host)
+    host = wait(to_host(tree))
+    back = wait(to_device(host))
     for orig, h, b in zip(tree, host, back, strict=True):
         assert h.sharding.memory_kind == "pinned_host"
         assert b.sharding.memory_kind == "device"
@@ -113,6 +118,7 @@ def test_shardings_preserved_on_8_device_mesh(axis_type):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(orig))
 
 
+@pytest.mark.no_typecheck
 def test_tree_errors():
     with pytest.raises(ValueError, match=r"to_host: tree: expected every leaf .* got ndarray"):
         to_host({"k": np.ones(3)})
@@ -122,11 +128,31 @@ def test_tree_errors():
         to_host(jnp.ones(2), memory_kind="device")
 
 
-def test_handles():
-    handle = TransferHandle(to_host(jnp.arange(6.0)), "device_to_host", 24)
+class _Event:
+    """A completion event whose readiness the test controls."""
+
+    def __init__(self, landed):
+        self.landed = landed
+
+    def is_ready(self):
+        return self.landed
+
+
+def test_ready_polls_every_event():
+    value = jnp.arange(6.0)
+    pending = TransferHandle(value, "device_to_host", 24, done=(_Event(True), _Event(False)))
+    assert not ready(pending)  # one event still in flight
+    landed = TransferHandle(value, "device_to_host", 24, done=(_Event(True), _Event(True)))
+    assert ready(landed)
+    # Without done, the value's own arrays are the events.
+    handle = to_host(jnp.arange(6.0))
     value = wait(handle)
-    assert ready(handle)
+    assert value is handle.value
     np.testing.assert_array_equal(np.asarray(value), np.arange(6.0))
+
+
+@pytest.mark.no_typecheck
+def test_handle_errors():
     with pytest.raises(ValueError, match=r"ready: handle: expected a TransferHandle, got int"):
         ready(3)
     with pytest.raises(ValueError, match=r"wait: handle: expected a TransferHandle, got str"):
@@ -135,11 +161,11 @@ def test_handles():
 
 def test_many_transfers_in_flight():
     arrays = [_random((16, 32), jnp.float32, seed=i) for i in range(24)]
-    handles = [TransferHandle(to_host(a), "device_to_host", a.nbytes) for a in arrays]
-    back = [TransferHandle(to_device(h.value), "host_to_device", h.nbytes) for h in handles]
+    handles = [to_host(a) for a in arrays]
+    back = [to_device(h.value) for h in handles]  # chained without waiting
     for a, h in zip(arrays, back, strict=True):
         np.testing.assert_array_equal(np.asarray(wait(h)), np.asarray(a))
-        assert ready(h)
+        assert h.nbytes == a.nbytes
 
 
 def test_stats_accounting():
@@ -163,17 +189,28 @@ def test_stats_accounting():
     assert set(snapshot["transfers"]) == set(DIRECTIONS)
     assert "| host_to_disk | 1 | 50 |" in stats.to_markdown()
     assert stats.transfers("disk_to_host").gib_per_second == 0.0
+    stats.record_transfer("disk_to_host", np.int64(8), np.float32(0.5))  # numpy scalars
+    assert stats.transfers("disk_to_host").nbytes == 8
 
 
+@pytest.mark.no_typecheck
 def test_stats_errors():
     stats = OffloadStats()
     with pytest.raises(ValueError, match=r"record_transfer: direction: expected one of"):
         stats.record_transfer("up", 1, 1.0)
-    with pytest.raises(ValueError, match=r"record_transfer: nbytes and seconds: expected >= 0"):
+    with pytest.raises(ValueError, match=r"record_transfer: nbytes: expected an int >= 0"):
         stats.record_transfer("host_to_device", -1, 1.0)
+    with pytest.raises(
+        ValueError, match=r"record_transfer: seconds: expected a float in \[0.0, inf\]"
+    ):
+        stats.record_transfer("host_to_device", 1, -1.0)
+    with pytest.raises(
+        ValueError, match=r"record_transfer: nbytes: expected an int >= 0, got float"
+    ):
+        stats.record_transfer("host_to_device", 1.5, 1.0)
     with pytest.raises(ValueError, match=r"record_issue: direction: expected one of"):
         stats.record_issue("down", 1)
-    with pytest.raises(ValueError, match=r"record_issue: nbytes: expected >= 0"):
+    with pytest.raises(ValueError, match=r"record_issue: nbytes: expected an int >= 0"):
         stats.record_issue("host_to_device", -5)
     with pytest.raises(ValueError, match=r"add_tier_bytes: tier: expected one of"):
         stats.add_tier_bytes("tape", 1)
