@@ -34,17 +34,14 @@ from offload._host_pool import HostPagePool, make_host_page_pool
 from offload._manager import OffloadManager
 from offload._mixed import MixedAttention, mixed_residency_attention, split_residency
 from offload._policies import (
-    POLICY_KINDS,
     PolicyState,
-    RetentionPolicy,
     Selection,
-    budget_units,
     init_policy_state,
     select_keep,
-    select_keep_reference,
     update_policy_state,
-    update_policy_state_reference,
 )
+from offload._policy_reference import select_keep_reference, update_policy_state_reference
+from offload._retention import POLICY_KINDS, RetentionPolicy, budget_units
 from offload._stats import DIRECTIONS, TIERS, OffloadStats, TransferTotals
 from offload._tiers import TransferHandle, host_memory_kind, ready, to_device, to_host, wait
 from offload._transfers import page_in, page_out, prefetch_layer

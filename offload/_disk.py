@@ -183,6 +183,12 @@ class DiskStore:
             isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) for e in entries
         ):
             raise CorruptCacheError(f"disk cache index malformed: {index_path}")
+        if index.get("version") != _FORMAT_VERSION:
+            raise CorruptCacheError(
+                f"disk cache index of format version {index.get('version')!r}, expected "
+                f"{_FORMAT_VERSION}: {index_path} (written by an older offload: move or delete "
+                "the directory)"
+            )
         return {key: int(size) for key, size in entries}
 
     def _save_index(self, sizes: dict[str, int]) -> None:

@@ -52,6 +52,8 @@ def split_residency(
 ) -> tuple[Int[Array, "B M"], Int[Array, "B M"]]:
     """Splits a page table by a selection into a device table and a cold table.
 
+    Jittable as is: ``jax.jit(split_residency)`` (no options).
+
     Args:
       page_table: ``[B, M]`` int page ids (0 = null page).
       keep: ``[B, M]`` bool, slots that stay on the device (``Selection.keep``).
@@ -104,6 +106,10 @@ def mixed_residency_attention(
     return_page_mass: bool = False,
 ) -> MixedAttention:
     """Attention over device-resident pages, merged with cold pages fetched for this step.
+
+    Jittable with its options bound: ``jax.jit(functools.partial(mixed_residency_attention,
+    window=128, return_page_mass=True))``; passing a flag to the jitted function instead
+    makes it a tracer and fails, as for JAX's own functions.
 
     Token ``i`` of sequence ``b`` lives in slot ``i // C`` at offset ``i % C``, in
     ``k_pages[:, device_table[b, i // C]]`` when that entry is non-zero, else in

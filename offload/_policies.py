@@ -50,8 +50,6 @@ References:
   Oren et al., "Transformers are Multi-State RNNs" (TOVA), 2024.
 """
 
-import dataclasses
-import fractions
 import functools
 from typing import NamedTuple
 
@@ -60,136 +58,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from offload._checks import check_choice, check_float, check_int, check_lengths, is_int
+from offload._checks import check_choice, check_int, check_lengths
+from offload._retention import RetentionPolicy
 
 __all__ = [
-    "POLICY_KINDS",
     "PolicyState",
-    "RetentionPolicy",
     "Selection",
-    "budget_units",
     "init_policy_state",
     "select_keep",
-    "select_keep_reference",
     "update_policy_state",
-    "update_policy_state_reference",
 ]
-
-POLICY_KINDS = ("recency", "streaming", "h2o", "snapkv", "tova")
-_SCORED_KINDS = ("h2o", "snapkv", "tova")
-# Fractions are turned into num / den with den <= _MAX_DENOMINATOR, so the budget of n live
-# units is the exact integer ceil(num * n / den), identical in jnp (int32) and numpy.
-_MAX_DENOMINATOR = 1000
-
-
-@dataclasses.dataclass(frozen=True)
-class RetentionPolicy:
-    """Static configuration of a retention policy (hashable: a ``jit`` static argument).
-
-    Attributes:
-      kind: one of ``"recency"``, ``"streaming"``, ``"h2o"``, ``"snapkv"``, ``"tova"``.
-      budget: units kept per (unpinned) sequence: an ``int >= 0`` is a count, a ``float`` in
-        ``(0, 1]`` a fraction of the sequence's live units, rounded up (``ceil``) after being
-        made a fraction with denominator ``<= 1000``. Capped by the live units.
-      granularity: ``"page"`` (units are page-table slots, ``U = M``) or ``"token"``
-        (``U = S``).
-      page_size: tokens per page ``C``; required for ``"page"``, must be None for ``"token"``.
-      sink: leading units always ranked first (StreamingLLM's attention sinks). Not for
-        ``recency``.
-      recent: trailing units always ranked next (H2O's recent window, SnapKV's observation
-        window). Only for the scored kinds (for ``recency``/``streaming`` the whole budget after
-        the sinks is recent).
-      pool_size: odd width of the 1-D pooling of each head's mass along the units before
-        ranking (SnapKV's clustering); 1 = none. Only for the scored kinds.
-      pool: ``"max"`` or ``"avg"`` (zero-padded, divided by ``pool_size``).
-      head_reduce: ``"sum"`` or ``"max"`` over the query heads of the mass.
-
-    Raises:
-      ValueError: on any invalid field (named in the message).
-
-    Example:
-      >>> RetentionPolicy("h2o", 0.2, page_size=16, sink=1, recent=2).uses_scores
-      True
-    """
-
-    kind: str
-    budget: int | float | np.integer | np.floating
-    granularity: str = "page"
-    page_size: int | np.integer | None = None
-    sink: int | np.integer = 0
-    recent: int | np.integer = 0
-    pool_size: int | np.integer = 1
-    pool: str = "max"
-    head_reduce: str = "sum"
-
-    def __post_init__(self):
-        p = "RetentionPolicy"
-        check_choice(p, "kind", self.kind, POLICY_KINDS)
-        b = self.budget
-        if is_int(b):
-            budget = check_int(p, "budget", b, low=0)
-        elif isinstance(b, (float, np.floating)):
-            budget = check_float(p, "budget", b, low=0.0, high=1.0, low_open=True)
-        else:
-            raise ValueError(
-                f"{p}: budget: expected an int count >= 0 or a float fraction in (0, 1], "
-                f"got {type(b).__name__} {b!r}"
-            )
-        check_choice(p, "granularity", self.granularity, ("page", "token"))
-        page_size = None
-        if self.granularity == "page":
-            if self.page_size is None:
-                raise ValueError(
-                    f"{p}: page_size: expected an int >= 1 for granularity='page', got None"
-                )
-            page_size = check_int(p, "page_size", self.page_size, low=1)
-        elif self.page_size is not None:
-            raise ValueError(
-                f"{p}: page_size: expected None for granularity='token', got {self.page_size!r}"
-            )
-        sink = check_int(p, "sink", self.sink, low=0)
-        recent = check_int(p, "recent", self.recent, low=0)
-        if self.kind == "recency" and sink:
-            raise ValueError(
-                f"{p}: sink: expected 0 for kind='recency' (use 'streaming'), got {sink}"
-            )
-        if self.kind in ("recency", "streaming") and recent:
-            raise ValueError(
-                f"{p}: recent: expected 0 for kind={self.kind!r} (its budget is all recent), "
-                f"got {recent}"
-            )
-        pool_size = check_int(p, "pool_size", self.pool_size, low=1)
-        if pool_size % 2 == 0:
-            raise ValueError(f"{p}: pool_size: expected an odd int >= 1, got {pool_size}")
-        if pool_size > 1 and not self.uses_scores:
-            raise ValueError(
-                f"{p}: pool_size: expected 1 for kind={self.kind!r} (pooling needs a scored "
-                f"kind), got {pool_size}"
-            )
-        check_choice(p, "pool", self.pool, ("max", "avg"))
-        check_choice(p, "head_reduce", self.head_reduce, ("sum", "max"))
-        # Normalised to Python scalars: equal policies hash equal whatever types came in.
-        for name, value in (
-            ("budget", budget),
-            ("page_size", page_size),
-            ("sink", sink),
-            ("recent", recent),
-            ("pool_size", pool_size),
-        ):
-            object.__setattr__(self, name, value)
-
-    @property
-    def uses_scores(self) -> bool:
-        """Whether :func:`update_policy_state` changes the state (H2O, SnapKV, TOVA)."""
-        return self.kind in _SCORED_KINDS
-
-    @property
-    def budget_fraction(self) -> tuple[int, int] | None:
-        """``(num, den)`` of a fractional budget, None for a count."""
-        if is_int(self.budget):
-            return None
-        f = fractions.Fraction(float(self.budget)).limit_denominator(_MAX_DENOMINATOR)
-        return f.numerator, f.denominator
 
 
 class PolicyState(NamedTuple):
@@ -215,39 +93,6 @@ class Selection(NamedTuple):
     keep: Bool[Array, "B U"]
     demote: Bool[Array, "B U"]
     drop: Bool[Array, "B U"]
-
-
-def budget_units(
-    policy: RetentionPolicy, n_live: Int[Array | np.ndarray, "*B"] | int | np.integer
-) -> Int[Array | np.ndarray, "*B"] | int:
-    """The number of units kept out of ``n_live`` live units, capped by it.
-
-    Jittable (``policy`` is static: ``jax.jit(functools.partial(budget_units, policy))``).
-
-    Args:
-      policy: the :class:`RetentionPolicy`.
-      n_live: live units per sequence: a jnp int array (traced or not), a numpy array, or an
-        int.
-
-    Returns:
-      The kept counts: a jnp ``int32`` array for a jnp input, a numpy ``int32`` array for a
-      numpy input, a Python ``int`` for an int.
-
-    Example:
-      >>> int(budget_units(RetentionPolicy("recency", 0.2, page_size=4), 11))
-      3
-    """
-    scalar = is_int(n_live)
-    xp = jnp if isinstance(n_live, jax.Array) else np
-    n_live = xp.asarray(n_live, dtype=np.int32)
-    frac = policy.budget_fraction
-    if frac is None:
-        k = xp.full_like(n_live, int(policy.budget))
-    else:
-        num, den = frac
-        k = (n_live * num + (den - 1)) // den
-    k = xp.minimum(k, n_live)
-    return int(k) if scalar else k
 
 
 def _check_policy(fn: str, policy) -> None:
@@ -350,7 +195,7 @@ def _update_impl(scores, mass, *, accumulate, pool_size, pool, head_reduce):
     return scores + reduced if accumulate else reduced
 
 
-def _units_by_length(policy: RetentionPolicy, lengths):
+def units_by_length(policy: RetentionPolicy, lengths):
     if policy.granularity == "page":
         return (lengths + policy.page_size - 1) // policy.page_size
     return lengths
@@ -461,60 +306,3 @@ def _select_impl(scores, lengths, page_table, pinned, scalars, *, page_size):
         k = jnp.where(pinned, n_live, k)
     keep = live & (rank < k[:, None])
     return keep, live & ~keep
-
-
-# --------------------------------------------------------------------------- numpy references
-
-
-def update_policy_state_reference(scores, mass, *, policy: RetentionPolicy) -> np.ndarray:
-    """Numpy oracle of :func:`update_policy_state` on raw arrays (``[B, U]``, ``[B, N, U]``)."""
-    scores = np.asarray(scores, np.float32)
-    mass = np.asarray(mass, np.float32)
-    if not policy.uses_scores:
-        return scores.copy()
-    B, N, U = mass.shape
-    w, half = policy.pool_size, policy.pool_size // 2
-    pooled = np.empty_like(mass)
-    for u in range(U):
-        lo, hi = max(0, u - half), min(U, u + half + 1)
-        window = mass[:, :, lo:hi]
-        if policy.pool == "max":
-            pooled[:, :, u] = window.max(axis=-1)
-        else:
-            pooled[:, :, u] = window.sum(axis=-1) / w
-    reduced = pooled.sum(axis=1) if policy.head_reduce == "sum" else pooled.max(axis=1)
-    return (scores + reduced) if policy.kind == "h2o" else reduced
-
-
-def select_keep_reference(
-    scores, lengths, *, policy: RetentionPolicy, page_table=None, pinned=None, mode="demote"
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Numpy oracle of :func:`select_keep`: ``(keep, demote, drop)`` bool ``[B, U]``."""
-    scores = np.asarray(scores, np.float32)
-    B, U = scores.shape
-    lengths = np.asarray(lengths)
-    keep = np.zeros((B, U), bool)
-    evicted = np.zeros((B, U), bool)
-    for b in range(B):
-        n_len = int(_units_by_length(policy, int(lengths[b])))
-        live = [u for u in range(min(U, n_len)) if page_table is None or int(page_table[b][u]) != 0]
-
-        def key(u, n_len=n_len, b=b):
-            if u < policy.sink:
-                return (0, 0.0, u)
-            if u >= n_len - policy.recent:
-                return (1, 0.0, -u)
-            s = float(scores[b, u])
-            s = 0.0 if np.isnan(s) else s
-            return (2, -s, -u)
-
-        ranked = sorted(live, key=key)
-        k = len(ranked)
-        if pinned is None or not bool(pinned[b]):
-            k = int(budget_units(policy, k))
-        for u in ranked[:k]:
-            keep[b, u] = True
-        for u in ranked[k:]:
-            evicted[b, u] = True
-    none = np.zeros((B, U), bool)
-    return (keep, evicted, none) if mode == "demote" else (keep, none, evicted)

@@ -21,12 +21,23 @@ device side consumes through :func:`with_page_table`, and the :class:`CopyPlan` 
 admit -> write -> commit -> extend/fork -> free; ``commit`` is what lets its pages serve
 prefix-cache hits, and ``stats()`` shows what still waits for one.
 
+Device side: :func:`paged_attention`, :func:`ragged_paged_attention` and
+:func:`sharded_paged_attention` return :class:`PagedAttentionOutput` ``(out, lse, page_mass)``;
+their oracles are :func:`paged_attention_reference` and :func:`ragged_paged_attention_reference`.
+Keys no query may see (past ``lengths``, on the null page or a bad id, causal future, outside
+the window) have no effect on any output, even if they hold NaN or inf.
+
 Page 0 is our reserved null page; JAX's and vLLM's page tables use page 0 as an ordinary
 page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages).
 """
 
 from paged._allocator import Admission, PageAllocator
-from paged._attention import DEFAULT_PAGES_PER_BLOCK, paged_attention, ragged_paged_attention
+from paged._attention import (
+    DEFAULT_PAGES_PER_BLOCK,
+    PagedAttentionOutput,
+    paged_attention,
+    ragged_paged_attention,
+)
 from paged._cache import (
     PagedKVCache,
     advance,
@@ -48,6 +59,7 @@ from paged._device_alloc import (
 )
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
+from paged._reference import paged_attention_reference, ragged_paged_attention_reference
 from paged._sharded import sharded_paged_attention
 from paged._validate import from_zero_based_table, validate, validate_page_table
 
@@ -60,6 +72,7 @@ __all__ = [
     "PageAllocator",
     "DEFAULT_PAGES_PER_BLOCK",
     "FreePageStack",
+    "PagedAttentionOutput",
     "PagedKVCache",
     "advance",
     "append",
@@ -70,9 +83,11 @@ __all__ = [
     "init_paged_cache",
     "make_free_stack",
     "paged_attention",
+    "paged_attention_reference",
     "pop_pages",
     "push_pages",
     "ragged_paged_attention",
+    "ragged_paged_attention_reference",
     "sharded_paged_attention",
     "taken_pages",
     "validate",

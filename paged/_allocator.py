@@ -153,65 +153,6 @@ class PageAllocator(DeviceHandOver, PoolMetrics):
     def __init__(self, num_pages: IntScalar, page_size: IntScalar, *, max_pages_per_seq: IntScalar):
         super().__init__(num_pages, page_size, max_pages_per_seq=max_pages_per_seq)
 
-    # ------------------------------------------------------------------ queries
-
-    @property
-    def sequences(self) -> tuple[Hashable, ...]:
-        """Live sequence ids, in creation order."""
-        return tuple(self._seqs)
-
-    def __contains__(self, seq) -> bool:
-        try:
-            return seq in self._seqs
-        except TypeError:
-            return False
-
-    def sequence_length(self, seq: Hashable) -> int:
-        """Tokens stored for ``seq``."""
-        return self._get("PageAllocator.sequence_length", seq, "seq").length
-
-    def sequence_pages(self, seq: Hashable) -> Int[np.ndarray, " n"]:
-        """Pages of ``seq`` in order, ``ceil(length / C)`` int32 ids."""
-        record = self._get("PageAllocator.sequence_pages", seq, "seq")
-        return np.asarray(record.pages, dtype=np.int32)
-
-    def page_table(self, seqs: Sequence[Hashable]) -> Int[np.ndarray, "B M"]:
-        """Page table of a batch, padded with the null page.
-
-        Args:
-          seqs: ``B`` distinct live sequence ids.
-
-        Returns:
-          ``[B, M]`` int32; row ``b`` holds ``seqs[b]``'s pages, then zeros.
-
-        Raises:
-          ValueError: on an unknown or repeated id.
-
-        Example:
-          >>> alloc = PageAllocator(8, 4, max_pages_per_seq=3)
-          >>> _ = alloc.allocate(7, 5)
-          >>> alloc.page_table([7]).tolist()
-          [[1, 2, 0]]
-        """
-        records = self._batch("PageAllocator.page_table", seqs)
-        table = np.zeros((len(records), self.max_pages_per_seq), dtype=np.int32)
-        for row, record in enumerate(records):
-            table[row, : len(record.pages)] = record.pages
-        return table
-
-    def lengths(self, seqs: Sequence[Hashable]) -> Int[np.ndarray, " B"]:
-        """Lengths of a batch as ``[B]`` int32 (see :meth:`page_table` for errors).
-
-        Example:
-          >>> alloc = PageAllocator(8, 4, max_pages_per_seq=3)
-          >>> _ = alloc.allocate(7, 5)
-          >>> alloc.lengths([7]).tolist()
-          [5]
-        """
-        return np.asarray(
-            [r.length for r in self._batch("PageAllocator.lengths", seqs)], dtype=np.int32
-        )
-
     # ------------------------------------------------------------------ lifecycle
 
     def allocate(

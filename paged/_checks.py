@@ -90,7 +90,8 @@ def check_array(fn: str, name: str, x, ndim: int, kind) -> None:
     if x.ndim != ndim:
         raise ValueError(f"{fn}: {name}: expected rank {ndim}, got {describe(x)}")
     if not jnp.issubdtype(x.dtype, kind):
-        raise ValueError(f"{fn}: {name}: expected a {what} array, got {describe(x)}")
+        article = "a" if kind is jnp.floating else "an"
+        raise ValueError(f"{fn}: {name}: expected {article} {what} array, got {describe(x)}")
 
 
 def check_pages(fn: str, k_pages, v_pages) -> tuple[int, int, int, int]:

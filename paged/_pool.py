@@ -3,12 +3,16 @@
 :class:`PoolState` owns the free list, the reference counts, the live sequences, the device
 reserve and the :class:`~paged._prefix.PrefixIndex`. Its private methods check arguments
 (raising ``ValueError`` in the package's one format) and move pages between the states
-*free*, *used* and *cached*; the public operations live in :mod:`paged._allocator` (life
+*free*, *used* and *cached*; its public methods are the read-only queries (``page_table``,
+``lengths``, ``sequence_pages``...). The other public operations live in :mod:`paged._allocator` (life
 cycle), :mod:`paged._handover` (device hand-over) and :mod:`paged._metrics` (stats, validate).
 """
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+from jaxtyping import Int
 
 from paged._checks import host_int_array, int_option, is_int
 from paged._prefix import CachedPage, PrefixIndex, hash_page
@@ -73,6 +77,67 @@ class PoolState:
         self._tokens_hit = 0
         self._evictions = 0
         self._pages_freed_uncommitted = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def sequences(self) -> tuple[Hashable, ...]:
+        """Live sequence ids, in creation order."""
+        return tuple(self._seqs)
+
+    def __contains__(self, seq) -> bool:
+        try:
+            return seq in self._seqs
+        except TypeError:
+            return False
+
+    def sequence_length(self, seq: Hashable) -> int:
+        """Tokens stored for ``seq``."""
+        return self._get("PageAllocator.sequence_length", seq, "seq").length
+
+    def sequence_pages(self, seq: Hashable) -> Int[np.ndarray, " n"]:
+        """Pages of ``seq`` in order, ``ceil(length / C)`` int32 ids."""
+        record = self._get("PageAllocator.sequence_pages", seq, "seq")
+        return np.asarray(record.pages, dtype=np.int32)
+
+    def page_table(self, seqs: Sequence[Hashable]) -> Int[np.ndarray, "B M"]:
+        """Page table of a batch, padded with the null page.
+
+        Args:
+          seqs: ``B`` distinct live sequence ids.
+
+        Returns:
+          ``[B, M]`` int32; row ``b`` holds ``seqs[b]``'s pages, then zeros.
+
+        Raises:
+          ValueError: on an unknown or repeated id.
+
+        Example:
+          >>> from paged import PageAllocator
+          >>> alloc = PageAllocator(8, 4, max_pages_per_seq=3)
+          >>> _ = alloc.allocate(7, 5)
+          >>> alloc.page_table([7]).tolist()
+          [[1, 2, 0]]
+        """
+        records = self._batch("PageAllocator.page_table", seqs)
+        table = np.zeros((len(records), self.max_pages_per_seq), dtype=np.int32)
+        for row, record in enumerate(records):
+            table[row, : len(record.pages)] = record.pages
+        return table
+
+    def lengths(self, seqs: Sequence[Hashable]) -> Int[np.ndarray, " B"]:
+        """Lengths of a batch as ``[B]`` int32 (see :meth:`page_table` for errors).
+
+        Example:
+          >>> from paged import PageAllocator
+          >>> alloc = PageAllocator(8, 4, max_pages_per_seq=3)
+          >>> _ = alloc.allocate(7, 5)
+          >>> alloc.lengths([7]).tolist()
+          [5]
+        """
+        return np.asarray(
+            [r.length for r in self._batch("PageAllocator.lengths", seqs)], dtype=np.int32
+        )
 
     # ------------------------------------------------------------------ argument checks
 

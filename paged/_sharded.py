@@ -1,6 +1,6 @@
 """Decode over one long sequence whose pages are spread over a mesh axis (tree decode).
 
-Layout: with ``D`` devices on ``axis_name``, device ``d`` holds the contiguous token range
+Layout: with ``D`` devices on ``seq_axis``, device ``d`` holds the contiguous token range
 ``[d * M_d * C, (d + 1) * M_d * C)`` of every sequence in its own pool shard. As global arrays:
 
 * ``k_pages, v_pages [K, D * P_d, C, H]`` sharded along the page axis: device ``d``'s pool is
@@ -12,68 +12,82 @@ Layout: with ``D`` devices on ``axis_name``, device ``d`` holds the contiguous t
   ``clip(lengths - d * M_d * C, 0, M_d * C)`` of them.
 
 Each device runs :func:`paged.paged_attention` over its shard with the queries' positions
-shifted into its range (so causality and sliding windows stay exact) and ``return_lse=True``;
-``ringattn.allreduce_attention`` merges the ``D`` partial ``(out, lse)`` exactly. KV never
-moves: per step only ``B * T * N * (H + 1)`` floats are reduced.
+shifted into its range (so causality and sliding windows stay exact);
+``ringattn.allreduce_attention_per_shard`` merges the ``D`` partial ``(out, lse)`` exactly and
+sinks join once, after the merge (:func:`ringattn.apply_sinks`). KV never moves: per step only
+``B * T * N * (H + 1)`` floats are reduced. The default query positions are the last ``T``
+positions of the valid (global) cache, as in :func:`paged.paged_attention`.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 import ringattn
 from paged._attention import (
     DEFAULT_PAGES_PER_BLOCK,
-    _check_array,
-    check_pages,
-    check_table,
+    FloatScalar,
+    IntScalar,
+    PagedAttentionOutput,
+    Window,
+    check_sinks,
+    default_q_positions,
     paged_attention,
+    resolve_mask,
 )
+from paged._checks import check_array, check_heads, check_pages, check_table, int_option
 
 __all__ = ["sharded_paged_attention"]
 
 
-def _local_partial(q, k_pages, v_pages, page_table, lengths, q_positions, *, axis_name, kwargs):
-    """Inside ``shard_map``: this device's ``(out, lse)`` over its token range."""
+def local_partial(q, k_pages, v_pages, page_table, lengths, q_positions, *, seq_axis, mask, ppb):
+    """Inside ``shard_map``: this device's ``(out, lse)`` over its token range (no sinks)."""
     capacity = page_table.shape[1] * k_pages.shape[2]  # M_d * C
-    offset = jax.lax.axis_index(axis_name) * capacity
+    offset = jax.lax.axis_index(seq_axis) * capacity
     local_lengths = jnp.clip(lengths - offset, 0, capacity)
-    return paged_attention(
+    res = paged_attention(
         q,
         k_pages,
         v_pages,
         page_table,
         local_lengths,
         q_positions=q_positions - offset,
-        return_lse=True,
-        **kwargs,
+        mask=mask,
+        pages_per_block=ppb,
     )
+    return res.out, res.lse
 
 
 def sharded_paged_attention(
     q: Float[Array, "B T N H"],
     k_pages: Float[Array, "K P C H"],
     v_pages: Float[Array, "K P C H"],
-    page_table: Int[Array, "B M"],
-    lengths: Int[Array, " B"],
+    page_table: Int[Array | np.ndarray, "B M"],
+    lengths: Int[Array | np.ndarray, " B"],
     *,
     mesh: Mesh,
-    axis_name: str,
-    q_positions: Int[Array, "B T"] | None = None,
-    causal: bool = True,
-    window: int | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-    pages_per_block: int = DEFAULT_PAGES_PER_BLOCK,
-    return_lse: bool = False,
-):
-    """Paged decode attention over a pool sharded by sequence range along ``axis_name``.
+    seq_axis: str,
+    q_positions: Int[Array | np.ndarray, "B T"] | None = None,
+    mask: ringattn.MaskSpec | None = None,
+    causal: bool | np.bool_ | None = None,
+    window: Window = None,
+    softcap: FloatScalar | None = None,
+    scale: FloatScalar | None = None,
+    sinks: Float[Array, " N"] | None = None,
+    pages_per_block: IntScalar = DEFAULT_PAGES_PER_BLOCK,
+) -> PagedAttentionOutput:
+    """Paged decode attention over a pool sharded by sequence range along ``seq_axis``.
 
-    Equal to :func:`paged.paged_attention` on the unsharded sequence (see the module docs for
-    the layout). Works on meshes with ``Auto`` or ``Explicit`` axes; other mesh axes replicate.
+    Takes GLOBAL arrays (it calls ``jax.shard_map`` itself). Equal to
+    :func:`paged.paged_attention` on the unsharded sequence (see the module docs for the
+    layout), with the same defaults: ``causal=True`` and queries at the last ``T`` positions
+    of the valid cache. Works on meshes with ``Auto`` or ``Explicit`` axes; other mesh axes
+    replicate. Jit with the mesh and options bound:
+    ``jax.jit(functools.partial(sharded_paged_attention, mesh=mesh, seq_axis="seq"))``.
 
     Args:
       q: ``[B, T, N, H]`` queries (replicated).
@@ -82,17 +96,19 @@ def sharded_paged_attention(
       page_table: ``[B, D * M_d]`` int, device ``d``'s columns hold local page ids.
       lengths: ``[B]`` int global lengths (``<= D * M_d * C``).
       mesh: the device mesh.
-      axis_name: mesh axis the sequence is spread over (size ``D``).
+      seq_axis: mesh axis the sequence is spread over (size ``D``).
       q_positions: ``[B, T]`` int global query positions, default the last ``T`` positions.
-      causal: a query at position ``p`` sees keys at positions ``<= p``.
-      window: hide keys at positions ``<= p - window``.
+      mask: a :class:`ringattn.MaskSpec` (then none of the four keywords below).
+      causal: a query at position ``p`` sees keys at positions ``<= p`` (default True).
+      window: hide keys at positions ``<= p - window``; a tuple: one per query head.
       softcap: logits become ``softcap * tanh(logits / softcap)``.
       scale: logit scale, default ``1 / sqrt(H)``.
+      sinks: ``[N]`` per-query-head sink logits, applied once after the merge, or None.
       pages_per_block: pages per loop step on each device.
-      return_lse: also return ``lse [B, T, N]`` float32.
 
     Returns:
-      ``out [B, T, N, H]`` (replicated) in ``q.dtype``, and ``lse`` if ``return_lse``.
+      :class:`paged.PagedAttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N],
+      None)``, replicated (``page_mass`` is not computed over a sharded pool).
 
     Raises:
       ValueError: on a bad axis, shapes that do not divide over it, or bad inputs.
@@ -102,68 +118,70 @@ def sharded_paged_attention(
       >>> from jax.sharding import AxisType, Mesh
       >>> mesh = Mesh(np.array(jax.devices()[:1]), ("seq",), axis_types=(AxisType.Auto,))
       >>> pages = jnp.ones((1, 4, 2, 8))
-      >>> out = sharded_paged_attention(jnp.ones((1, 1, 2, 8)), pages, pages,
+      >>> res = sharded_paged_attention(jnp.ones((1, 1, 2, 8)), pages, pages,
       ...                               jnp.array([[1, 2]]), jnp.array([3]),
-      ...                               mesh=mesh, axis_name="seq")
-      >>> out.shape, float(out[0, 0, 0, 0])
+      ...                               mesh=mesh, seq_axis="seq")
+      >>> res.out.shape, float(res.out[0, 0, 0, 0])
       ((1, 1, 2, 8), 1.0)
     """
     fn = "sharded_paged_attention"
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if axis_name not in mesh.axis_names:
+        raise ValueError(f"{fn}: mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if seq_axis not in mesh.axis_names:
         raise ValueError(
-            f"{fn}: axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}"
+            f"{fn}: seq_axis: expected an axis of the mesh {mesh.axis_names}, got {seq_axis!r}"
         )
-    _check_array(fn, "q", q, 4, jnp.floating)
+    check_array(fn, "q", q, 4, jnp.floating)
+    B, T, N, _ = q.shape
     K, P, C, H = check_pages(fn, k_pages, v_pages)
-    B, M = check_table(fn, page_table, lengths, q.shape[0])
-    D = mesh.shape[axis_name]
+    check_heads(fn, q, K, H, k_pages.dtype)
+    _, M = check_table(fn, page_table, lengths, B)
+    if T < 1:
+        raise ValueError(f"{fn}: q: expected at least one query token (T >= 1), got {q.shape}")
+    D = mesh.shape[seq_axis]
     if P % D or M % D:
         raise ValueError(
-            f"{fn}: pages P={P} and table width M={M} must both divide by the {D} devices "
-            f"of axis {axis_name!r}"
+            f"{fn}: k_pages: expected pages P={P} and table width M={M} that both divide by "
+            f"the {D} devices of axis {seq_axis!r} (must both divide), got P % D = {P % D}, "
+            f"M % D = {M % D}"
         )
-    T = q.shape[1]
-    if q_positions is None:
-        q_positions = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)
-    else:
-        _check_array(fn, "q_positions", q_positions, 2, jnp.integer)
-        if q_positions.shape != (B, T):
-            raise ValueError(f"{fn}: q_positions must have shape {(B, T)}, got {q_positions.shape}")
-    kwargs = dict(
-        causal=causal, window=window, softcap=softcap, scale=scale, pages_per_block=pages_per_block
-    )
-    pool_spec = PartitionSpec(None, axis_name)
+    spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
+    check_sinks(fn, sinks, N)
+    ppb = int_option(fn, "pages_per_block", pages_per_block, minimum=1)
+    lengths = jnp.asarray(lengths)
+    q_positions = default_q_positions(fn, q_positions, lengths, B, T)
+    pool_spec = PartitionSpec(None, seq_axis)
     replicated = PartitionSpec()
+    specs = (replicated, pool_spec, pool_spec, pool_spec, replicated, replicated)
 
     @functools.partial(
         jax.shard_map,
         mesh=mesh,
-        in_specs=(replicated, pool_spec, pool_spec, pool_spec, replicated, replicated),
+        in_specs=specs,
         out_specs=(replicated, replicated),
         check_vma=True,
     )
     def run(q, k_pages, v_pages, page_table, lengths, q_positions):
-        out, lse = _local_partial(
+        out, lse = local_partial(
             q,
             k_pages,
             v_pages,
             page_table,
             lengths,
             q_positions,
-            axis_name=axis_name,
-            kwargs=kwargs,
+            seq_axis=seq_axis,
+            mask=spec,
+            ppb=ppb,
         )
-        return ringattn.allreduce_attention(out, lse, axis_name=axis_name)
+        return tuple(ringattn.allreduce_attention_per_shard(out, lse, seq_axis=seq_axis))
 
-    args = (q, k_pages, v_pages, page_table, lengths, q_positions.astype(jnp.int32))
+    args = (q, k_pages, v_pages, jnp.asarray(page_table), lengths, q_positions)
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         # Explicit axes: shard_map wants its inputs already laid out as in_specs say.
-        specs = (replicated, pool_spec, pool_spec, pool_spec, replicated, replicated)
         args = tuple(
             jax.sharding.reshard(x, NamedSharding(mesh, s))
             for x, s in zip(args, specs, strict=True)
         )
     out, lse = run(*args)
-    return (out, lse) if return_lse else out
+    out, lse = ringattn.apply_sinks(out, lse, sinks)  # once, after the merge
+    return PagedAttentionOutput(out, lse, None)

@@ -5,7 +5,7 @@ Shape legend (used in every signature and docstring of the library):
 ====  ==========================================
 B     batch
 T     query length (per shard inside shard_map)
-S     key/value length
+S     key/value length (per shard inside shard_map)
 N     query heads
 K     key/value heads, ``N % K == 0``
 G     ``N // K`` query heads per kv head (GQA)
@@ -14,48 +14,80 @@ H     head dim
 
 Canonical layout: ``q [B, T, N, H]``, ``k, v [B, S, K, H]``, ``lse [B, T, N]`` (float32).
 
-Per shard inside ``shard_map``: :func:`ring_attention` (the ring over a mesh axis) and the
-load-balanced sequence layouts :data:`LAYOUTS` (:func:`to_layout`, :func:`from_layout`,
-:func:`shard_positions`).
+Every attention function returns an :class:`AttentionOutput` ``(out, lse)`` and takes its mask
+as ``mask=MaskSpec(...)`` or the keyword sugar ``causal=, window=, softcap=, scale=`` (one
+validator, :func:`resolve_mask`), plus ``segment_ids=SegmentIds(q, kv)``,
+``positions=Positions(q, kv)`` and ``sinks=`` (a per-head sink logit, applied once with
+:func:`apply_sinks`). Options are static: jit with ``functools.partial`` or
+``static_argnames``.
 
-Over a mesh: :func:`sharded_attention` (ring / all-gather / Ulysses / USP on global arrays),
-:func:`sharded_decode_attention` and :func:`allreduce_attention` (decode over a
-sequence-sharded KV cache, tree attention).
+Guarantees: a key that no query may see (causal future, another segment, outside the window,
+a decode slot beyond ``lengths``, padding) has no effect on any output or gradient, even if it
+holds NaN or inf; a row that sees nothing gives ``out = 0``, ``lse = -inf``.
+
+Single device: :func:`attention_reference` (the dense oracle), :func:`blockwise_attention`,
+:func:`merge_attention` and the online-softmax primitives.
+
+Per shard inside ``shard_map``: :func:`ring_attention_per_shard`,
+:func:`decode_attention_per_shard`, :func:`allreduce_attention_per_shard`,
+:func:`match_varying`, and the load-balanced sequence layouts :data:`LAYOUTS`
+(:func:`to_layout`, :func:`from_layout`, :func:`shard_positions`).
+
+On global arrays over a mesh: :func:`sharded_attention` (ring / all-gather / Ulysses / USP)
+and :func:`sharded_decode_attention` (decode over a sequence-sharded KV cache, tree attention).
 """
 
 from ringattn._blockwise import BlockSizes, blockwise_attention
-from ringattn._decode import allreduce_attention, sharded_decode_attention
+from ringattn._decode import (
+    allreduce_attention_per_shard,
+    decode_attention_per_shard,
+    sharded_decode_attention,
+)
 from ringattn._layout import LAYOUTS, from_layout, shard_positions, to_layout
-from ringattn._mask import MaskSpec, attention_mask
 from ringattn._online_softmax import (
+    AttentionOutput,
     OnlineSoftmax,
+    apply_sinks,
     finalize_online_softmax,
     init_online_softmax,
     merge_attention,
     update_online_softmax,
 )
+from ringattn._options import MaskSpec, Positions, SegmentIds, attention_mask, resolve_mask
 from ringattn._reference import attention_reference
-from ringattn._ring import ring_attention
+from ringattn._ring import ring_attention_per_shard
 from ringattn._sharded import STRATEGIES, sharded_attention
+from ringattn._varying import match_varying
 
 __all__ = [
-    "LAYOUTS",
-    "from_layout",
-    "ring_attention",
-    "shard_positions",
-    "to_layout",
-    "STRATEGIES",
-    "allreduce_attention",
-    "sharded_attention",
-    "sharded_decode_attention",
+    # options and results
+    "AttentionOutput",
     "BlockSizes",
     "MaskSpec",
-    "OnlineSoftmax",
+    "Positions",
+    "SegmentIds",
     "attention_mask",
+    "resolve_mask",
+    # single device
     "attention_reference",
     "blockwise_attention",
+    "apply_sinks",
+    "merge_attention",
+    "OnlineSoftmax",
     "finalize_online_softmax",
     "init_online_softmax",
-    "merge_attention",
     "update_online_softmax",
+    # per shard, inside shard_map
+    "LAYOUTS",
+    "from_layout",
+    "shard_positions",
+    "to_layout",
+    "allreduce_attention_per_shard",
+    "decode_attention_per_shard",
+    "match_varying",
+    "ring_attention_per_shard",
+    # global arrays over a mesh
+    "STRATEGIES",
+    "sharded_attention",
+    "sharded_decode_attention",
 ]

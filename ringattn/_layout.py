@@ -1,7 +1,7 @@
 """Sequence layouts over a ring of shards: which global tokens each shard holds.
 
 Causal ring attention on the plain ``"contiguous"`` layout is unbalanced: shard ``i`` holds
-tokens ``[i L, (i + 1) L)`` and its queries see ``i + 1`` of the ``n`` key blocks, so the last
+tokens ``[i T, (i + 1) T)`` (``T`` tokens per shard) and its queries see ``i + 1`` of the ``n`` key blocks, so the last
 shard works ``n`` times as hard as the first and the ring runs at the speed of the slowest.
 Two permutations of the global sequence, applied once to the inputs (and undone on the
 output), give every shard the same causal work:
@@ -21,7 +21,10 @@ References:
 """
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int, Shaped
+
+from ringattn._checks import IntLike, check_int, fail
 
 __all__ = ["LAYOUTS", "from_layout", "shard_positions", "to_layout"]
 
@@ -30,46 +33,44 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 
 def _check_layout(fn: str, layout) -> None:
     if layout not in LAYOUTS:
-        raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}")
+        raise fail(fn, "layout", f"one of {LAYOUTS}", repr(layout))
 
 
-def _check_positive_int(fn: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{fn}: {name} must be a positive int, got {value!r}")
-
-
-def _check_sequence(fn: str, x, layout: str, num_shards: int, axis: int) -> tuple[int, int]:
-    """Validates ``x`` and returns ``(normalised axis, sequence length)``."""
+def _check_sequence(fn: str, x, layout: str, num_shards, axis) -> tuple[int, int, int]:
+    """Validates ``x``; returns ``(normalised axis, sequence length, num_shards)``."""
     _check_layout(fn, layout)
-    _check_positive_int(fn, "num_shards", num_shards)
+    num_shards = check_int(fn, "num_shards", num_shards, minimum=1)
     if not hasattr(x, "shape") or not hasattr(x, "ndim"):
-        raise ValueError(f"{fn}: x must be an array, got {type(x).__name__}")
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"{fn}: axis must be an int in [{-x.ndim}, {x.ndim}), got {axis!r}")
+        raise fail(fn, "x", "an array", type(x).__name__)
+    axis = check_int(fn, "axis", axis)
+    if not -x.ndim <= axis < x.ndim:
+        raise fail(fn, "axis", f"an int in [{-x.ndim}, {x.ndim})", axis)
     axis %= x.ndim
     length = x.shape[axis]
     chunks = 2 * num_shards if layout == "zigzag" else num_shards
     if length % chunks != 0:
-        raise ValueError(
-            f"{fn}: sequence length {length} (axis {axis}) must be divisible by "
-            f"{'2 × num_shards' if layout == 'zigzag' else 'num_shards'} = {chunks} "
-            f"for layout {layout!r}"
+        what = "2 × num_shards" if layout == "zigzag" else "num_shards"
+        raise fail(
+            fn,
+            "x",
+            f"a sequence length (axis {axis}) divisible by {what} = {chunks} for layout {layout!r}",
+            length,
         )
-    return axis, length
+    return axis, length, num_shards
 
 
 def to_layout(
-    x: Shaped[Array, "..."], layout: str, *, num_shards: int, axis: int = 1
+    x: Shaped[Array | np.ndarray, "..."], layout: str, *, num_shards: IntLike, axis: IntLike = 1
 ) -> Shaped[Array, "..."]:
     """Permutes a global sequence so that ``n`` equal contiguous shards get ``layout``.
 
     After ``to_layout``, sharding axis ``axis`` evenly over ``n`` devices (for example with
     ``PartitionSpec(None, "seq")``) hands shard ``i`` exactly the tokens
-    ``shard_positions(layout, i, n, L // n)``. Pure reshapes, flips and transposes.
+    ``shard_positions(layout, i, n, S // n)``. Pure reshapes, flips and transposes.
 
     Args:
-      x: any array with the global sequence of length ``L`` on ``axis`` (``q [B, L, N, H]``,
-        ``k [B, L, K, H]``, segment ids ``[B, L]``, ...).
+      x: any array with the global sequence of length ``S`` on ``axis`` (``q [B, T, N, H]``,
+        ``k [B, S, K, H]``, segment ids ``[B, S]``, ...).
       layout: one of :data:`LAYOUTS`.
       num_shards: ``n``, the number of shards the sequence will be split into.
       axis: the sequence axis (negative counts from the end).
@@ -79,14 +80,14 @@ def to_layout(
 
     Raises:
       ValueError: for an unknown layout, a non-positive ``num_shards``, a bad ``axis``, or
-        ``L`` not divisible by ``n`` (by ``2 n`` for ``"zigzag"``).
+        ``S`` not divisible by ``n`` (by ``2 n`` for ``"zigzag"``).
 
     Example:
       >>> import jax.numpy as jnp
       >>> to_layout(jnp.arange(8)[None], "zigzag", num_shards=2)
       Array([[0, 1, 6, 7, 2, 3, 4, 5]], dtype=int32)
     """
-    axis, length = _check_sequence("to_layout", x, layout, num_shards, axis)
+    axis, length, num_shards = _check_sequence("to_layout", x, layout, num_shards, axis)
     x = jnp.asarray(x)
     n = num_shards
     if layout == "contiguous" or n == 1:
@@ -104,7 +105,7 @@ def to_layout(
 
 
 def from_layout(
-    x: Shaped[Array, "..."], layout: str, *, num_shards: int, axis: int = 1
+    x: Shaped[Array | np.ndarray, "..."], layout: str, *, num_shards: IntLike, axis: IntLike = 1
 ) -> Shaped[Array, "..."]:
     """The inverse of :func:`to_layout`: restores the global token order.
 
@@ -128,7 +129,7 @@ def from_layout(
       ...                   num_shards=3) == x).all())
       True
     """
-    axis, length = _check_sequence("from_layout", x, layout, num_shards, axis)
+    axis, length, num_shards = _check_sequence("from_layout", x, layout, num_shards, axis)
     x = jnp.asarray(x)
     n = num_shards
     if layout == "contiguous" or n == 1:
@@ -145,22 +146,27 @@ def from_layout(
     return jnp.concatenate([early, late], axis=a).reshape(*before, length, *after)
 
 
-def shard_positions(layout: str, shard_index, num_shards: int, local_len: int) -> Int[Array, " L"]:
-    """Global positions of the ``local_len`` tokens that shard ``shard_index`` holds.
+def shard_positions(
+    layout: str,
+    shard_index: IntLike | Int[Array, ""],
+    num_shards: IntLike,
+    local_len: IntLike,
+) -> Int[Array, " T"]:
+    """Global positions of the ``local_len`` tokens (``T``) that shard ``shard_index`` holds.
 
-    * ``"contiguous"``: ``[i L, (i + 1) L)``;
-    * ``"zigzag"``: chunks ``i`` and ``2n - 1 - i`` of ``L / 2`` tokens each;
-    * ``"striped"``: ``i, i + n, ..., i + (L - 1) n``.
+    * ``"contiguous"``: ``[i T, (i + 1) T)``;
+    * ``"zigzag"``: chunks ``i`` and ``2n - 1 - i`` of ``T / 2`` tokens each;
+    * ``"striped"``: ``i, i + n, ..., i + (T - 1) n``.
 
     Args:
       layout: one of :data:`LAYOUTS`.
       shard_index: ``i``, a Python int in ``[0, n)`` or an int32 scalar (a traced
         ``jax.lax.axis_index(...)`` inside ``shard_map``).
       num_shards: ``n``.
-      local_len: ``L``, tokens per shard (even for ``"zigzag"``).
+      local_len: ``T``, tokens per shard (even for ``"zigzag"``).
 
     Returns:
-      ``[L]`` int32 global positions, increasing.
+      ``[T]`` int32 global positions, increasing.
 
     Raises:
       ValueError: for an unknown layout, non-positive ``num_shards`` or ``local_len``, an odd
@@ -172,18 +178,20 @@ def shard_positions(layout: str, shard_index, num_shards: int, local_len: int) -
     """
     fn = "shard_positions"
     _check_layout(fn, layout)
-    _check_positive_int(fn, "num_shards", num_shards)
-    _check_positive_int(fn, "local_len", local_len)
-    if isinstance(shard_index, int) and not 0 <= shard_index < num_shards:
-        raise ValueError(f"{fn}: shard_index must be in [0, {num_shards}), got {shard_index}")
+    num_shards = check_int(fn, "num_shards", num_shards, minimum=1)
+    local_len = check_int(fn, "local_len", local_len, minimum=1)
+    if not hasattr(shard_index, "shape") or isinstance(shard_index, np.integer):
+        shard_index = check_int(fn, "shard_index", shard_index, minimum=0)
+        if shard_index >= num_shards:
+            raise fail(fn, "shard_index", f"an int in [0, {num_shards})", shard_index)
     if layout == "zigzag" and local_len % 2:
-        raise ValueError(f"{fn}: local_len must be even for layout 'zigzag', got {local_len}")
+        raise fail(fn, "local_len", "an even int for layout 'zigzag'", local_len)
     i = jnp.asarray(shard_index, jnp.int32)
-    n, L = num_shards, local_len
+    n, T = num_shards, local_len
     if layout == "contiguous":
-        return i * L + jnp.arange(L, dtype=jnp.int32)
+        return i * T + jnp.arange(T, dtype=jnp.int32)
     if layout == "striped":
-        return i + n * jnp.arange(L, dtype=jnp.int32)
-    c = L // 2
+        return i + n * jnp.arange(T, dtype=jnp.int32)
+    c = T // 2
     offsets = jnp.arange(c, dtype=jnp.int32)
     return jnp.concatenate([i * c + offsets, (2 * n - 1 - i) * c + offsets])

@@ -14,15 +14,35 @@ rows live in one place:
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
+from ringattn._checks import check_int, describe, fail
+from ringattn._varying import match_varying
+
 __all__ = [
+    "AttentionOutput",
     "OnlineSoftmax",
+    "apply_sinks",
     "finalize_online_softmax",
     "init_online_softmax",
     "merge_attention",
     "update_online_softmax",
 ]
+
+
+class AttentionOutput(NamedTuple):
+    """What every attention function of ``ringattn`` returns.
+
+    Attributes:
+      out: ``[B, T, N, H]`` attention output in the queries' dtype (``0`` for a row that sees
+        no key and has no sink).
+      lse: ``[B, T, N]`` float32 log-sum-exp of the row's logits (sink included), ``-inf`` for
+        a row that sees nothing.
+    """
+
+    out: Float[Array, "*B T N H"]
+    lse: Float[Array, "*B T N"]
 
 
 class OnlineSoftmax(NamedTuple):
@@ -42,11 +62,13 @@ class OnlineSoftmax(NamedTuple):
     l: Float[Array, "... T"]
 
 
-def init_online_softmax(shape: tuple[int, ...], head_dim: int) -> OnlineSoftmax:
+def init_online_softmax(
+    shape: tuple[int | np.integer, ...], head_dim: int | np.integer
+) -> OnlineSoftmax:
     """An empty state for query rows of shape ``shape`` (``[..., T]``) and value dim ``H``."""
-    shape = tuple(int(d) for d in shape)
-    if head_dim < 1 or any(d < 0 for d in shape):
-        raise ValueError(f"init_online_softmax: bad shape {shape} or head_dim {head_dim}")
+    fn = "init_online_softmax"
+    shape = tuple(check_int(fn, f"shape[{i}]", d, minimum=0) for i, d in enumerate(shape))
+    head_dim = check_int(fn, "head_dim", head_dim, minimum=1)
     return OnlineSoftmax(
         acc=jnp.zeros((*shape, head_dim), jnp.float32),
         m=jnp.full(shape, -jnp.inf, jnp.float32),
@@ -56,8 +78,8 @@ def init_online_softmax(shape: tuple[int, ...], head_dim: int) -> OnlineSoftmax:
 
 def update_online_softmax(
     state: OnlineSoftmax,
-    scores: Float[Array, "... T S"],
-    v: Float[Array, "... S H"],
+    scores: Float[Array | np.ndarray, "... T S"],
+    v: Float[Array | np.ndarray, "... S H"],
 ) -> OnlineSoftmax:
     """Folds one block of logits and values into the state.
 
@@ -109,11 +131,11 @@ def _safe_logaddexp(a, b):
 
 
 def merge_attention(
-    out_a: Float[Array, "*B T N H"],
-    lse_a: Float[Array, "*B T N"],
-    out_b: Float[Array, "*B T N H"],
-    lse_b: Float[Array, "*B T N"],
-) -> tuple[Float[Array, "*B T N H"], Float[Array, "*B T N"]]:
+    out_a: Float[Array | np.ndarray, "*rows H"],
+    lse_a: Float[Array | np.ndarray, "*rows"],
+    out_b: Float[Array | np.ndarray, "*rows H"],
+    lse_b: Float[Array | np.ndarray, "*rows"],
+) -> AttentionOutput:
     """Exactly combines two partial attentions over disjoint key sets.
 
     ``out`` arrays carry a trailing head dim ``H`` that ``lse`` lacks; all other dims match
@@ -129,7 +151,8 @@ def merge_attention(
       lse_b: ``[...]`` its log-sum-exp.
 
     Returns:
-      ``(out, lse)`` over A ∪ B; ``out`` in ``out_a``'s dtype, ``lse`` float32.
+      :class:`AttentionOutput` ``(out, lse)`` over A ∪ B; ``out`` in ``out_a``'s dtype,
+      ``lse`` float32.
 
     Raises:
       ValueError: if shapes disagree.
@@ -141,14 +164,17 @@ def merge_attention(
       >>> float(out[0, 0, 0, 0]), float(lse[0, 0, 0])
       (1.0, 0.0)
     """
+    fn = "merge_attention"
     if out_a.shape != out_b.shape:
-        raise ValueError(f"merge_attention: out_a shape {out_a.shape} != out_b shape {out_b.shape}")
+        raise fail(fn, "out_b", f"the shape of out_a {tuple(out_a.shape)}", describe(out_b))
     if lse_a.shape != lse_b.shape:
-        raise ValueError(f"merge_attention: lse_a shape {lse_a.shape} != lse_b shape {lse_b.shape}")
+        raise fail(fn, "lse_b", f"the shape of lse_a {tuple(lse_a.shape)}", describe(lse_b))
     if out_a.ndim < 1 or lse_a.shape != out_a.shape[:-1]:
-        raise ValueError(
-            "merge_attention: lse must have the shape of out without its last (head) dim; "
-            f"got out {out_a.shape} and lse {lse_a.shape}"
+        raise fail(
+            fn,
+            "lse_a",
+            f"the shape of out without its last (head) dim {out_a.shape[:-1]}",
+            describe(lse_a),
         )
     lse_a = lse_a.astype(jnp.float32)
     lse_b = lse_b.astype(jnp.float32)
@@ -157,4 +183,62 @@ def merge_attention(
     w_a = jnp.exp(lse_a - lse_safe)[..., None]
     w_b = jnp.exp(lse_b - lse_safe)[..., None]
     out = w_a * out_a.astype(jnp.float32) + w_b * out_b.astype(jnp.float32)
-    return out.astype(out_a.dtype), lse
+    return AttentionOutput(out.astype(out_a.dtype), lse)
+
+
+def apply_sinks(
+    out: Float[Array, "*rows N H"],
+    lse: Float[Array, "*rows N"],
+    sinks: Float[Array, " N"] | None,
+) -> AttentionOutput:
+    """Adds a per-head sink logit to the softmax denominator of a complete attention.
+
+    A sink is a logit with no value (a learnable "attend to nothing" option, as in
+    StreamingLLM-style models and splash attention's ``sinks=``): it joins the softmax once,
+    ``lse' = logaddexp(lse, sink)`` and ``out' = out * exp(lse - lse')``. Apply it once, after
+    all partial attentions are merged (never once per ring hop or page block). Gradients
+    flow to ``out``, ``lse`` and ``sinks``; a row that saw no key keeps ``out = 0`` and gets
+    ``lse' = sink``.
+
+    Args:
+      out: ``[..., N, H]`` normalised attention output over all keys.
+      lse: ``[..., N]`` its log-sum-exp.
+      sinks: ``[N]`` sink logit per query head (any float dtype; used in float32), or None
+        (then ``(out, lse)`` is returned unchanged).
+
+    Returns:
+      :class:`AttentionOutput` with ``out`` in ``out.dtype`` and ``lse`` float32.
+
+    Raises:
+      ValueError: if ``lse.shape != out.shape[:-1]`` or ``sinks`` is not ``[N]`` float.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> o, l = apply_sinks(jnp.ones((1, 1, 2, 4)), jnp.zeros((1, 1, 2)), jnp.zeros(2))
+      >>> float(o[0, 0, 0, 0]), round(float(l[0, 0, 0]), 4)
+      (0.5, 0.6931)
+    """
+    fn = "apply_sinks"
+    if out.ndim < 2 or tuple(lse.shape) != tuple(out.shape[:-1]):
+        raise fail(
+            fn, "lse", f"the shape of out without its last dim {out.shape[:-1]}", describe(lse)
+        )
+    if sinks is None:
+        return AttentionOutput(out, lse.astype(jnp.float32))
+    check_sinks(fn, sinks, out.shape[-2])
+    lse32, sinks32 = match_varying(lse.astype(jnp.float32), sinks.astype(jnp.float32))
+    total = _safe_logaddexp(lse32, sinks32)
+    total_safe = jnp.where(jnp.isneginf(total), 0.0, total)
+    weight = jnp.exp(lse32 - total_safe)  # 0 where the row saw no key
+    out, weight = match_varying(out, weight)
+    return AttentionOutput((out.astype(jnp.float32) * weight[..., None]).astype(out.dtype), total)
+
+
+def check_sinks(fn: str, sinks, num_heads: int) -> None:
+    """Checks ``sinks [N]`` floating point."""
+    if sinks is None:
+        return
+    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+        raise fail(fn, "sinks", f"a float array of shape ({num_heads},)", type(sinks).__name__)
+    if tuple(sinks.shape) != (num_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise fail(fn, "sinks", f"a float array of shape ({num_heads},) (N)", describe(sinks))

@@ -4,102 +4,114 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+import numpy as np
+from jaxtyping import Array, Float
 
-from ringattn._mask import (
+from ringattn._checks import FloatLike, IntLike
+from ringattn._online_softmax import AttentionOutput, apply_sinks
+from ringattn._options import (
     MaskSpec,
-    attention_mask,
-    check_qkv,
-    normalize_mask_inputs,
-    resolve_scale,
+    Positions,
+    SegmentIds,
+    arange_positions,
+    prepare,
+    visibility,
 )
 
 __all__ = ["attention_reference"]
 
 
 def attention_reference(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    v: Float[Array, "B S K H"],
+    q: Float[Array | np.ndarray, "B T N H"],
+    k: Float[Array | np.ndarray, "B S K H"],
+    v: Float[Array | np.ndarray, "B S K H"],
     *,
-    causal: bool = False,
-    q_segment_ids: Int[Array, "B T"] | None = None,
-    kv_segment_ids: Int[Array, "B S"] | None = None,
-    q_positions: Int[Array, "B T"] | None = None,
-    kv_positions: Int[Array, "B S"] | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-    return_lse: bool = False,
-):
+    mask: MaskSpec | None = None,
+    causal: bool | np.bool_ | None = None,
+    window: IntLike | tuple[IntLike | None, ...] | None = None,
+    softcap: FloatLike | None = None,
+    scale: FloatLike | None = None,
+    segment_ids: SegmentIds | None = None,
+    positions: Positions | None = None,
+    sinks: Float[Array | np.ndarray, " N"] | None = None,
+) -> AttentionOutput:
     """Dense attention in float32: the ``T x S`` matrix is built, so use small shapes.
+
+    The oracle of every path in the library (and of ``paged``'s references): the same
+    options, the same semantics (see :mod:`ringattn`), the same guarantees — keys no query may
+    see have no effect on outputs or gradients even if they hold NaN or inf (they are
+    selected away, never multiplied by zero). To ``jit`` it with options, bind them:
+    ``jax.jit(functools.partial(attention_reference, causal=True))``.
 
     Args:
       q: ``[B, T, N, H]`` queries.
       k: ``[B, S, K, H]`` keys, ``N % K == 0`` (MHA, GQA, MQA).
       v: ``[B, S, K, H]`` values.
+      mask: a :class:`ringattn.MaskSpec`, or its fields as the keywords below (not both).
       causal: a query at position ``p`` sees keys at positions ``<= p``.
-      q_segment_ids: ``[B, T]`` int segment ids; queries see only keys of their segment.
-      kv_segment_ids: ``[B, S]`` int segment ids (given with ``q_segment_ids``).
-      q_positions: ``[B, T]`` int positions, default ``arange(T)``.
-      kv_positions: ``[B, S]`` int positions, default ``arange(S)``.
-      window: hide keys at positions ``<= p - window``.
+      window: hide keys at positions ``<= p - window``; a tuple: one per query head.
       softcap: logits become ``softcap * tanh(logits / softcap)``.
       scale: logit scale, default ``1 / sqrt(H)``.
-      return_lse: also return the ``[B, T, N]`` log-sum-exp of the logits.
+      segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])``.
+      positions: :class:`ringattn.Positions` ``(q [B, T], kv [B, S])``, default ``arange``.
+      sinks: ``[N]`` per-head sink logit, or None.
 
     Returns:
-      ``out [B, T, N, H]`` in ``q.dtype`` (computed in float32), and ``lse [B, T, N]``
-      float32 if ``return_lse``. A query that sees no key gets ``out = 0``, ``lse = -inf``.
+      :class:`ringattn.AttentionOutput`: ``out [B, T, N, H]`` in ``q.dtype`` (computed in
+      float32) and ``lse [B, T, N]`` float32. A query that sees no key gets ``out = 0``,
+      ``lse = -inf`` (``lse = sink`` with sinks).
 
     Raises:
       ValueError: on inconsistent shapes, dtypes or options.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> out, lse = attention_reference(jnp.ones((1, 2, 2, 4)), jnp.ones((1, 3, 1, 4)),
+      ...                                jnp.ones((1, 3, 1, 4)), causal=True)
+      >>> out.shape, lse.shape
+      ((1, 2, 2, 4), (1, 2, 2))
     """
     fn = "attention_reference"
-    B, T, S, N, K, H = check_qkv(fn, q, k, v)
-    MaskSpec(causal=causal, window=window, softcap=softcap, scale=scale)
-    q_seg, kv_seg, q_pos, kv_pos = normalize_mask_inputs(
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+    (B, T, S, N, K, H), spec, seg, pos = prepare(
         fn,
-        B,
-        T,
-        S,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-    )
-    out, lse = _reference(
         q,
         k,
         v,
-        q_pos,
-        kv_pos,
-        q_seg,
-        kv_seg,
-        bool(causal),
-        window,
-        softcap,
-        resolve_scale(scale, H),
+        mask=mask,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        segment_ids=segment_ids,
+        positions=positions,
+        sinks=sinks,
     )
-    return (out, lse) if return_lse else out
+    q_pos = arange_positions(B, T) if pos.q is None else pos.q
+    kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv
+    out, lse = _reference(q, k, v, q_pos, kv_pos, seg, spec)
+    return apply_sinks(out, lse, sinks)
 
 
-@functools.partial(jax.jit, static_argnums=(7, 8, 9, 10))
-def _reference(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window, softcap, scale):
+@functools.partial(jax.jit, static_argnums=(6,))
+def _reference(q, k, v, q_pos, kv_pos, seg, spec: MaskSpec):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
+    mask = visibility(q_pos, kv_pos, spec, seg, spec.windows(N))  # [B, T, S] or [B, N, T, S]
+    mask = mask.reshape(B, K, G, T, -1) if spec.per_head else mask[:, None, None]
+    # Keys no query sees are replaced by zeros (a select): NaN there cannot reach anything.
+    seen = jnp.any(mask, axis=(1, 2, 3))[:, :, None, None]  # [B, S, 1, 1]
+    kf = jnp.where(seen, k.astype(jnp.float32), 0.0)
+    vf = jnp.where(seen, v.astype(jnp.float32), 0.0)
     qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
-    kf = k.astype(jnp.float32)
-    vf = v.astype(jnp.float32)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qf, kf) * scale
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
-    mask = attention_mask(
-        q_pos, kv_pos, causal=causal, window=window, q_segment_ids=q_seg, kv_segment_ids=kv_seg
-    )  # [B, T, S]
-    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)  # [B, K, G, T, S]
-    m = jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qf, kf) * spec.scale_for(H)
+    if spec.softcap is not None:
+        logits = spec.softcap * jnp.tanh(logits / spec.softcap)
+    logits = jnp.where(mask, logits, -jnp.inf)  # [B, K, G, T, S]
+    m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
     m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(logits - m_safe)
     denom = jnp.sum(p, axis=-1, keepdims=True)

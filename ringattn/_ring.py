@@ -3,7 +3,7 @@
 Called per shard inside ``jax.shard_map``. Each device keeps its queries; the key/value block
 (with its positions and segment ids) travels the ring with ``jax.lax.ppermute`` over
 ``perm = [(i, (i + 1) % n)]``, so after ``t`` hops device ``i`` holds block ``(i - t) % n``.
-Every hop runs the blockwise kernel of :mod:`ringattn._blockwise`, whose dynamic block
+Every hop runs the blockwise kernel of :mod:`ringattn._kernels_forward`, whose dynamic block
 classification skips key blocks that the mask hides (a causal-future hop, a sliding window,
 other documents), folding the hop's keys into one running float32 online-softmax state.
 
@@ -31,13 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from ringattn._blockwise import (
-    BlockSizes,
+from ringattn._blockwise import BlockSizes, check_block_sizes, empty_attention
+from ringattn._checks import FloatLike, IntLike, fail
+from ringattn._heads_major import (
     attention_delta,
-    cast_varying,
-    init_forward_state,
     kv_from_heads_major,
     kv_to_heads_major,
     make_kernel_config,
@@ -45,15 +44,15 @@ from ringattn._blockwise import (
     q_from_heads_major,
     q_to_groups,
     q_to_heads_major,
-    update_backward_heads_major,
-    update_forward_heads_major,
-    varying_axes,
 )
+from ringattn._kernels_backward import update_backward_heads_major
+from ringattn._kernels_forward import init_forward_state, update_forward_heads_major
 from ringattn._layout import LAYOUTS, shard_positions
-from ringattn._mask import MaskSpec, check_qkv, normalize_mask_inputs
-from ringattn._online_softmax import finalize_online_softmax
+from ringattn._online_softmax import AttentionOutput, apply_sinks, finalize_online_softmax
+from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
+from ringattn._varying import cast_varying, varying_axes
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention_per_shard"]
 
 # ---- the ring ----
 
@@ -62,7 +61,7 @@ __all__ = ["ring_attention"]
 class _RingPlan:
     """Everything static about one ring call (hashable: a ``custom_vjp`` nondiff argument)."""
 
-    axis_name: str | tuple
+    seq_axis: str | tuple
     num_shards: int
     hops: int  # key blocks received from other devices: n - 1, or fewer with a window
     mask: MaskSpec
@@ -72,7 +71,7 @@ class _RingPlan:
 def _shift(x, plan: _RingPlan, offset: int):
     """Sends ``x`` from device ``i`` to device ``(i + offset) % n`` along the ring axis."""
     n = plan.num_shards
-    return lax.ppermute(x, plan.axis_name, [(i, (i + offset) % n) for i in range(n)])
+    return lax.ppermute(x, plan.seq_axis, [(i, (i + offset) % n) for i in range(n)])
 
 
 def _pack(arrays):
@@ -135,8 +134,7 @@ def _run_hops(plan: _RingPlan, block, carry, compute):
 def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan: _RingPlan):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    sizes = plan.block_sizes
-    cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, sizes.block_q, sizes.block_kv)
+    cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.forward)
     qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
     block = (kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp))
     block += (pad_ids(kv_pos, Sp), pad_ids(kv_seg, Sp))
@@ -199,27 +197,29 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _axis_size(fn: str, axis_name) -> int:
+def _axis_size(fn: str, seq_axis) -> int:
     try:
-        return int(lax.axis_size(axis_name))
+        return int(lax.axis_size(seq_axis))
     except NameError as err:
-        raise ValueError(
-            f"{fn}: axis_name {axis_name!r} is not a bound mesh axis; call {fn} per shard "
-            "inside jax.shard_map over a mesh with that axis"
+        raise fail(
+            fn,
+            "seq_axis",
+            f"a mesh axis bound by jax.shard_map (call {fn} per shard inside shard_map)",
+            repr(seq_axis),
         ) from err
 
 
 def _window_hops(n: int, T: int, S: int, mask: MaskSpec, layout: str, default_pos: bool) -> int:
     """Hops that can reach a visible key.
 
-    With causal masking, a window ``w`` and contiguous shards of ``L`` tokens at their default
-    positions, hop ``t``'s newest key ``(i - t + 1) L - 1`` is visible to query ``i L`` iff
-    ``(t - 1) L + 1 < w``. Later hops hold blocks outside every window or (after wrapping
-    around) in the causal future.
+    With causal masking, a window ``w`` (the widest over heads) and contiguous shards of
+    ``T`` tokens at their default positions, hop ``t``'s newest key ``(i - t + 1) T - 1`` is
+    visible to query ``i T`` iff ``(t - 1) T + 1 < w``. Later hops hold blocks outside every
+    window or (after wrapping around) in the causal future.
     """
-    if mask.causal and mask.window is not None and layout == "contiguous" and default_pos:
-        if T == S:
-            return min(n - 1, (mask.window - 2) // T + 1)
+    w = mask.widest_window
+    if mask.causal and w is not None and layout == "contiguous" and default_pos and T == S:
+        return min(n - 1, (w - 2) // T + 1)
     return n - 1
 
 
@@ -236,119 +236,126 @@ def _layout_block_sizes(block_sizes: BlockSizes, layout: str, T: int, S: int) ->
     )
 
 
-def ring_attention(
+def ring_attention_per_shard(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B S K H"],
     v: Float[Array, "B S K H"],
     *,
-    axis_name: str | tuple[str, ...],
-    causal: bool = False,
+    seq_axis: str | tuple[str, ...],
     layout: str = "contiguous",
-    q_segment_ids: Int[Array, "B T"] | None = None,
-    kv_segment_ids: Int[Array, "B S"] | None = None,
-    q_positions: Int[Array, "B T"] | None = None,
-    kv_positions: Int[Array, "B S"] | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-    return_lse: bool = False,
+    mask: MaskSpec | None = None,
+    causal: bool | np.bool_ | None = None,
+    window: IntLike | tuple[IntLike | None, ...] | None = None,
+    softcap: FloatLike | None = None,
+    scale: FloatLike | None = None,
+    segment_ids: SegmentIds | None = None,
+    positions: Positions | None = None,
+    sinks: Float[Array, " N"] | None = None,
     block_sizes: BlockSizes | None = None,
-):
-    """Exact attention over a sequence sharded along ``axis_name``; call it per shard.
+) -> AttentionOutput:
+    """Exact attention over a sequence sharded along ``seq_axis``; call it per shard.
 
     Use inside ``jax.shard_map``: ``q``, ``k``, ``v`` are this device's shard of a global
     sequence laid out by ``layout`` (see :func:`ringattn.to_layout`), and the result is this
     shard's rows of ``attention_reference`` on the global, un-permuted sequence. Key/value
-    blocks travel the ring over ``axis_name`` only, so other mesh axes (batch on ``"data"``,
-    heads on ``"model"``) may shard the inputs too. Works under ``check_vma=True``.
+    blocks travel the ring over ``seq_axis`` only, so other mesh axes (batch on ``"data"``,
+    heads on ``"model"``) may shard the inputs too. Works under ``check_vma=True``. Sinks
+    join the softmax once, after the last hop. Keys no query may see have no effect, even if
+    they hold NaN or inf. Options are static: bind them with ``functools.partial`` before
+    ``jax.shard_map`` / ``jax.jit`` (see the example).
 
     Args:
       q: ``[B, T, N, H]`` this shard's queries.
       k: ``[B, S, K, H]`` this shard's keys; ``N % K == 0``. Only the ``K`` heads travel.
       v: ``[B, S, K, H]`` this shard's values.
-      axis_name: the mesh axis (or tuple of axes) the sequence is sharded over.
-      causal: a query at global position ``p`` sees keys at positions ``<= p``.
+      seq_axis: the mesh axis (or tuple of axes) the sequence is sharded over.
       layout: one of ``LAYOUTS``: ``"contiguous"``, or the causally load-balanced
         ``"zigzag"`` (``T``, ``S`` even) and ``"striped"``. It sets the default positions.
-      q_segment_ids: ``[B, T]`` int segment ids of the local queries (packed documents).
-      kv_segment_ids: ``[B, S]`` int segment ids of the local keys (given with
-        ``q_segment_ids``); they travel with the keys.
-      q_positions: ``[B, T]`` int global positions of the local queries; default
-        ``shard_positions(layout, axis_index, n, T)`` for every batch row.
-      kv_positions: ``[B, S]`` int global positions of the local keys; default likewise.
-      window: hide keys at positions ``<= p - window``. With ``causal``, the contiguous
-        layout, default positions and ``T == S``, hops beyond the window are not run at all.
+      mask: a :class:`ringattn.MaskSpec`, or its fields as the keywords below (not both).
+      causal: a query at global position ``p`` sees keys at positions ``<= p``.
+      window: hide keys at positions ``<= p - window``; a tuple: one per query head. With
+        ``causal``, the contiguous layout, default positions and ``T == S``, hops beyond the
+        widest window are not run at all.
       softcap: logits become ``softcap * tanh(logits / softcap)``.
       scale: logit scale, default ``1 / sqrt(H)``.
-      return_lse: also return the float32 log-sum-exp ``[B, T, N]`` over all shards' keys.
+      segment_ids: :class:`ringattn.SegmentIds` of the local queries ``[B, T]`` and keys
+        ``[B, S]``; the key ids travel with the keys.
+      positions: :class:`ringattn.Positions` of the local queries and keys (global
+        positions); default ``shard_positions(layout, axis_index, n, T)`` per batch row.
+      sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the per-hop kernel; with ``"zigzag"`` they
         are clamped to half the local length so causal chunk pairs can be skipped.
 
     Returns:
-      ``out [B, T, N, H]`` in ``q.dtype``, or ``(out, lse)``. Rows that see no key get
-      ``out = 0`` and ``lse = -inf``. Differentiable (``custom_vjp``) in ``q``, ``k``, ``v``,
+      :class:`ringattn.AttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N]
+      float32)`` over all shards' keys. Rows that see no key get ``out = 0`` and
+      ``lse = -inf``. Differentiable (``custom_vjp``) in ``q``, ``k``, ``v`` and ``sinks``,
       also through ``lse``.
 
     Raises:
-      ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, segment ids or positions
-        of the wrong shape or dtype, an unknown ``layout``, an odd ``T`` or ``S`` with
-        ``"zigzag"``, a bad window, softcap, scale or ``block_sizes``, or an ``axis_name``
-        that is not bound (called outside ``shard_map``).
+      ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, bad segment ids or
+        positions, an unknown ``layout``, an odd ``T`` or ``S`` with ``"zigzag"``, a bad
+        window, softcap, scale, sinks or ``block_sizes``, or a ``seq_axis`` that is not bound
+        (called outside ``shard_map``).
 
     Example:
       >>> import functools, jax, jax.numpy as jnp
       >>> from jax.sharding import AxisType, PartitionSpec as P
       >>> mesh = jax.make_mesh((1,), ("seq",), axis_types=(AxisType.Auto,))
       >>> f = jax.shard_map(
-      ...     functools.partial(ring_attention, axis_name="seq", causal=True),
+      ...     functools.partial(ring_attention_per_shard, seq_axis="seq", causal=True),
       ...     mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
       >>> q = jax.random.normal(jax.random.key(0), (1, 64, 4, 16))
       >>> kv = jax.random.normal(jax.random.key(1), (1, 64, 2, 16))
-      >>> jax.jit(f)(q, kv, kv).shape
+      >>> jax.jit(f)(q, kv, kv).out.shape
       (1, 64, 4, 16)
 
     References:
       Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
       Context", 2023.
     """
-    fn = "ring_attention"
-    B, T, S, N, K, H = check_qkv(fn, q, k, v)
-    if layout not in LAYOUTS:
-        raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}")
-    mask = MaskSpec(causal=bool(causal), window=window, softcap=softcap, scale=scale)
-    if block_sizes is None:
-        block_sizes = BlockSizes()
-    elif not isinstance(block_sizes, BlockSizes):
-        raise ValueError(
-            f"{fn}: block_sizes must be a BlockSizes, got {type(block_sizes).__name__}"
-        )
-    if layout == "zigzag" and (T % 2 or S % 2):
-        raise ValueError(
-            f"{fn}: layout 'zigzag' holds two equal chunks per shard, so the local lengths "
-            f"must be even; got T={T} (q) and S={S} (k/v)"
-        )
-    n = _axis_size(fn, axis_name)
-    default_pos = q_positions is None and kv_positions is None
-    index = lax.axis_index(axis_name)
-    if q_positions is None:
-        q_positions = jnp.broadcast_to(shard_positions(layout, index, n, T), (B, T))
-    if kv_positions is None:
-        kv_positions = jnp.broadcast_to(shard_positions(layout, index, n, S), (B, S))
-    q_seg, kv_seg, q_pos, kv_pos = normalize_mask_inputs(
+    fn = "ring_attention_per_shard"
+    (B, T, S, N, K, H), spec, seg, pos = prepare(
         fn,
-        B,
-        T,
-        S,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-    )
-    plan = _RingPlan(
-        axis_name=axis_name,
-        num_shards=n,
-        hops=_window_hops(n, T, S, mask, layout, default_pos) if n > 1 else 0,
+        q,
+        k,
+        v,
         mask=mask,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        segment_ids=segment_ids,
+        positions=positions,
+        sinks=sinks,
+    )
+    if layout not in LAYOUTS:
+        raise fail(fn, "layout", f"one of {LAYOUTS}", repr(layout))
+    block_sizes = check_block_sizes(fn, block_sizes)
+    if layout == "zigzag" and (T % 2 or S % 2):
+        raise fail(
+            fn,
+            "q, k",
+            "even local lengths (layout 'zigzag' holds two equal chunks per shard)",
+            f"T={T} (q) and S={S} (k/v)",
+        )
+    n = _axis_size(fn, seq_axis)
+    if B == 0 or T == 0 or S == 0:
+        return apply_sinks(*empty_attention(q, k, v), sinks)
+    default_pos = pos.q is None and pos.kv is None
+    index = lax.axis_index(seq_axis)
+    q_pos = pos.q
+    kv_pos = pos.kv
+    if q_pos is None:
+        q_pos = jnp.broadcast_to(shard_positions(layout, index, n, T), (B, T))
+    if kv_pos is None:
+        kv_pos = jnp.broadcast_to(shard_positions(layout, index, n, S), (B, S))
+    q_seg, kv_seg = (None, None) if seg is None else seg
+    plan = _RingPlan(
+        seq_axis=seq_axis,
+        num_shards=n,
+        hops=_window_hops(n, T, S, spec, layout, default_pos) if n > 1 else 0,
+        mask=spec,
         block_sizes=_layout_block_sizes(block_sizes, layout, T, S),
     )
     # Everything that travels or meets travelling data must vary along the ring axis, and
@@ -356,7 +363,7 @@ def ring_attention(
     # together (for a ``k`` replicated over a head axis, the cast's transpose is the psum
     # its gradient needs).
     args = (q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-    ring_axes = frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+    ring_axes = frozenset(seq_axis if isinstance(seq_axis, tuple) else (seq_axis,))
     q, k, v, q_pos, kv_pos, q_seg, kv_seg = cast_varying(args, ring_axes | varying_axes(*args))
     out, lse = _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan)
-    return (out, lse) if return_lse else out
+    return apply_sinks(out, lse, sinks)

@@ -3,7 +3,7 @@
 :func:`sharded_attention` takes GLOBAL arrays whose sequence axis is (or is to be) sharded over
 a mesh axis, builds the ``jax.shard_map`` and runs one of:
 
-* ``"ring"``: K/V blocks travel a ring of devices (:func:`ringattn.ring_attention`); memory per
+* ``"ring"``: K/V blocks travel a ring of devices (:func:`ringattn.ring_attention_per_shard`); memory per
   device stays linear in the local shard; ``n - 1`` hops of ``2 * B * S/n * K * H`` elements.
 * ``"allgather"``: K/V (with positions and segment ids) are all-gathered, queries stay local
   (the Llama-3 context-parallel form). One collective of the whole K/V; the gradient of the
@@ -16,6 +16,8 @@ a mesh axis, builds the ``jax.shard_map`` and runs one of:
 
 All four give the result of :func:`ringattn.attention_reference` on the un-permuted global
 sequence. Local compute is :func:`ringattn.blockwise_attention` (memory-linear, custom VJP).
+Sinks join the softmax once, at the end of each shard's computation; keys no query may see
+have no effect in any strategy, even if they hold NaN or inf.
 """
 
 import dataclasses
@@ -24,15 +26,18 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from ringattn._blockwise import BlockSizes, blockwise_attention
+from ringattn._blockwise import BlockSizes, blockwise_attention, empty_attention
+from ringattn._checks import FloatLike, IntLike, fail
 from ringattn._layout import LAYOUTS, from_layout, to_layout
-from ringattn._mask import MaskSpec, check_ids, check_qkv
-from ringattn._ring import ring_attention
+from ringattn._online_softmax import AttentionOutput, apply_sinks
+from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
+from ringattn._ring import ring_attention_per_shard
 
 __all__ = ["STRATEGIES", "sharded_attention"]
 
@@ -54,7 +59,6 @@ class _Plan:
     kv_repeat: int  # Ulysses: each kv head is repeated this many times before the all-to-all
     mask: MaskSpec
     block_sizes: BlockSizes | None
-    return_lse: bool
 
     @property
     def seq_spec(self):
@@ -69,31 +73,29 @@ class _Plan:
         return P(self.batch_axis, self.seq_spec, *((self.head_axis, None)[: ndim - 2]))
 
 
-def _fail(message: str):
-    raise ValueError(f"sharded_attention: {message}")
+_FN = "sharded_attention"
 
 
 def _check_axis(mesh, name, what: str) -> int:
     if not isinstance(name, str):
-        _fail(f"{what} must be a mesh axis name (str), got {name!r}")
+        raise fail(_FN, what, "a mesh axis name (str)", repr(name))
     if name not in mesh.axis_names:
-        _fail(f"{what} {name!r} is not an axis of the mesh; mesh axes are {mesh.axis_names}")
+        raise fail(_FN, what, f"an axis of the mesh {mesh.axis_names}", repr(name))
     return int(mesh.shape[name])
 
 
 def _ulysses_repeat(N: int, K: int, n: int, what: str) -> int:
     """How often each kv head is repeated so that ``n`` devices can split the heads."""
     if N % n != 0:
-        _fail(
-            f"{what}: query heads per device N={N} must be divisible by the Ulysses degree "
-            f"{n} (the all-to-all splits heads across devices)"
+        raise fail(
+            _FN,
+            "q",
+            f"query heads per device N divisible by the Ulysses degree {n} of {what} "
+            "(the all-to-all splits heads across devices)",
+            f"N={N}",
         )
     # K' = lcm(K, n) divides N because K | N and n | N; each query head keeps its kv head.
     return n // math.gcd(K, n)
-
-
-def _check_ids(name, x, shape):
-    return None if x is None else check_ids("sharded_attention", name, x, shape)
 
 
 def _natural(x, plan: _Plan, axis: int = 1):
@@ -111,17 +113,10 @@ def _permuted(x, plan: _Plan, axis: int = 1):
 
 def _mask_kwargs(qs, ks, qp, kp, plan: _Plan) -> dict:
     """The options every local attention call of a plan shares."""
-    m = plan.mask
     return dict(
-        causal=m.causal,
-        q_segment_ids=qs,
-        kv_segment_ids=ks,
-        q_positions=qp,
-        kv_positions=kp,
-        window=m.window,
-        softcap=m.softcap,
-        scale=m.scale,
-        return_lse=True,
+        mask=plan.mask,
+        segment_ids=None if qs is None else SegmentIds(qs, ks),
+        positions=None if qp is None and kp is None else Positions(qp, kp),
         block_sizes=plan.block_sizes,
     )
 
@@ -131,8 +126,8 @@ def _attend_local(q, k, v, qs, ks, qp, kp, plan: _Plan):
 
 
 def _attend_ring(q, k, v, qs, ks, qp, kp, plan: _Plan):
-    return ring_attention(
-        q, k, v, axis_name=plan.seq_axis, layout=plan.layout, **_mask_kwargs(qs, ks, qp, kp, plan)
+    return ring_attention_per_shard(
+        q, k, v, seq_axis=plan.seq_axis, layout=plan.layout, **_mask_kwargs(qs, ks, qp, kp, plan)
     )
 
 
@@ -170,21 +165,22 @@ def _ulysses_body(q, k, v, qs, ks, qp, kp, plan: _Plan):
     return to_sequence(out), to_sequence(lse)
 
 
-def _body(q, k, v, qs, ks, qp, kp, *, plan: _Plan):
+def _body(q, k, v, qs, ks, qp, kp, sinks, *, plan: _Plan):
     if plan.strategy == "ring":
-        return _attend_ring(q, k, v, qs, ks, qp, kp, plan)
-    if plan.strategy == "allgather":
-        return _allgather_body(q, k, v, qs, ks, qp, kp, plan)
-    return _ulysses_body(q, k, v, qs, ks, qp, kp, plan)
+        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, plan)
+    elif plan.strategy == "allgather":
+        out, lse = _allgather_body(q, k, v, qs, ks, qp, kp, plan)
+    else:
+        out, lse = _ulysses_body(q, k, v, qs, ks, qp, kp, plan)
+    return apply_sinks(out, lse, sinks)  # once, on the complete attention of each row
 
 
 def _default_positions(B: int, L: int, plan: _Plan):
-    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    return _permuted(positions, plan)
+    return _permuted(arange_positions(B, L), plan)
 
 
-@functools.partial(jax.jit, static_argnums=(7,))
-def _sharded(q, k, v, qs, ks, qp, kp, plan: _Plan):
+@functools.partial(jax.jit, static_argnums=(8,))
+def _sharded(q, k, v, qs, ks, qp, kp, sinks, plan: _Plan):
     B, T = q.shape[:2]
     S = k.shape[1]
     # Ring and USP let the ring derive default positions from the layout (and the shard index);
@@ -194,8 +190,9 @@ def _sharded(q, k, v, qs, ks, qp, kp, plan: _Plan):
             qp = _default_positions(B, T, plan)
         if kp is None:
             kp = _default_positions(B, S, plan)
-    args = (q, k, v, qs, ks, qp, kp)
-    specs = tuple(None if x is None else plan.spec(x.ndim) for x in args)
+    args = (q, k, v, qs, ks, qp, kp, sinks)
+    specs = tuple(None if x is None else plan.spec(x.ndim) for x in args[:-1])
+    specs += (None if sinks is None else P(plan.head_axis),)
     if any(t == AxisType.Explicit for t in plan.mesh.axis_types):
         # Explicit axes: shard_map wants the inputs already laid out as in_specs say.
         args = tuple(
@@ -206,7 +203,7 @@ def _sharded(q, k, v, qs, ks, qp, kp, plan: _Plan):
         functools.partial(_body, plan=plan),
         mesh=plan.mesh,
         in_specs=specs,
-        out_specs=(plan.spec(4), plan.spec(3)),
+        out_specs=AttentionOutput(plan.spec(4), plan.spec(3)),
         check_vma=True,
     )
     return fn(*args)
@@ -223,17 +220,16 @@ def sharded_attention(
     layout: str = "contiguous",
     batch_axis: str | None = None,
     head_axis: str | None = None,
-    causal: bool = False,
-    q_segment_ids: Int[Array, "B T"] | None = None,
-    kv_segment_ids: Int[Array, "B S"] | None = None,
-    q_positions: Int[Array, "B T"] | None = None,
-    kv_positions: Int[Array, "B S"] | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-    return_lse: bool = False,
+    mask: MaskSpec | None = None,
+    causal: bool | np.bool_ | None = None,
+    window: IntLike | tuple[IntLike | None, ...] | None = None,
+    softcap: FloatLike | None = None,
+    scale: FloatLike | None = None,
+    segment_ids: SegmentIds | None = None,
+    positions: Positions | None = None,
+    sinks: Float[Array, " N"] | None = None,
     block_sizes: BlockSizes | None = None,
-):
+) -> AttentionOutput:
     """Exact attention on global arrays whose sequence is sharded over a mesh axis.
 
     The inputs are GLOBAL arrays already in ``layout`` order along the sequence (call
@@ -243,10 +239,12 @@ def sharded_attention(
     together) over ``head_axis``, and works on meshes with ``Auto`` or ``Explicit`` axes (with
     Explicit axes, inputs laid out differently are resharded first). Every strategy gives the
     result of :func:`ringattn.attention_reference` on the un-permuted sequence, forward and
-    gradients.
+    gradients. Sinks join each row's softmax once. Keys no query may see have no effect,
+    even if they hold NaN or inf. To ``jit`` with options (the mesh included), bind them:
+    ``jax.jit(functools.partial(sharded_attention, mesh=mesh, seq_axis="seq", causal=True))``.
 
     Strategies:
-      * ``"ring"``: :func:`ringattn.ring_attention` on each shard (only K/V heads travel).
+      * ``"ring"``: :func:`ringattn.ring_attention_per_shard` on each shard (only K/V heads travel).
       * ``"allgather"``: all-gather K/V, positions and segment ids over ``seq_axis``, then
         local blockwise attention of the local queries against the whole sequence.
       * ``"ulysses"``: all-to-all from sequence- to head-sharding, local full-sequence
@@ -269,21 +267,22 @@ def sharded_attention(
       layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see :func:`ringattn.to_layout`).
       batch_axis: mesh axis the batch is sharded over, or None.
       head_axis: mesh axis the heads are sharded over, or None.
+      mask: a :class:`ringattn.MaskSpec`, or its fields as the keywords below (not both).
       causal: a query at position ``p`` sees keys at positions ``<= p``.
-      q_segment_ids: ``[B, T]`` int segment ids (layout order), with ``kv_segment_ids``.
-      kv_segment_ids: ``[B, S]`` int segment ids (layout order).
-      q_positions: ``[B, T]`` int global positions in layout order; default: the positions
-        the layout puts there (``to_layout(arange(T))``).
-      kv_positions: ``[B, S]`` int global positions in layout order; same default.
-      window: sliding window (``>= 1``): hide keys at positions ``<= p - window``.
+      window: sliding window (``>= 1``): hide keys at positions ``<= p - window``; a tuple
+        gives one window per query head.
       softcap: logits become ``softcap * tanh(logits / softcap)``.
       scale: logit scale, default ``1 / sqrt(H)``.
-      return_lse: also return the float32 log-sum-exp ``[B, T, N]``.
+      segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` in layout order.
+      positions: :class:`ringattn.Positions` (global positions in layout order); default:
+        the positions the layout puts there (``to_layout(arange(T))``).
+      sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the local kernel.
 
     Returns:
-      ``out [B, T, N, H]`` in ``q.dtype`` and layout order, sharded like ``q``; with
-      ``return_lse`` also ``lse [B, T, N]`` float32. Rows that see no key give zeros.
+      :class:`ringattn.AttentionOutput`: ``out [B, T, N, H]`` in ``q.dtype`` and layout
+      order, sharded like ``q``, and ``lse [B, T, N]`` float32. Rows that see no key give
+      zeros.
 
     Raises:
       ValueError: on an unknown strategy or layout; an axis name missing from the mesh or used
@@ -299,8 +298,8 @@ def sharded_attention(
       >>> mesh = Mesh(np.array(jax.devices()[:1]), ("seq",), axis_types=(AxisType.Auto,))
       >>> q = jax.random.normal(jax.random.key(0), (1, 64, 4, 16))
       >>> kv = jax.random.normal(jax.random.key(1), (1, 64, 2, 16))
-      >>> out = sharded_attention(q, kv, kv, mesh=mesh, seq_axis="seq", strategy="allgather",
-      ...                         causal=True)
+      >>> out, lse = sharded_attention(q, kv, kv, mesh=mesh, seq_axis="seq",
+      ...                              strategy="allgather", causal=True)
       >>> out.shape
       (1, 64, 4, 16)
 
@@ -309,26 +308,41 @@ def sharded_attention(
       "DeepSpeed Ulysses", 2023; Fang & Zhao, "USP: A Unified Sequence Parallelism Approach",
       2024; Llama 3 team, "The Llama 3 Herd of Models" (context parallelism), 2024.
     """
+    (B, T, S, N, K, H), spec, seg, pos = prepare(
+        _FN,
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        segment_ids=segment_ids,
+        positions=positions,
+        sinks=sinks,
+    )
     if not isinstance(mesh, jax.sharding.Mesh):
-        _fail(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise fail(_FN, "mesh", "a jax.sharding.Mesh", type(mesh).__name__)
     if strategy not in STRATEGIES:
-        _fail(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+        raise fail(_FN, "strategy", f"one of {STRATEGIES}", repr(strategy))
     if layout not in LAYOUTS:
-        _fail(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-    B, T, S, N, K, H = check_qkv("sharded_attention", q, k, v)
+        raise fail(_FN, "layout", f"one of {LAYOUTS}", repr(layout))
 
     ulysses_axis = None
     if strategy == "usp":
         if not (isinstance(seq_axis, (tuple, list)) and len(seq_axis) == 2):
-            _fail(f"strategy 'usp' needs seq_axis=(ulysses_axis, ring_axis), got {seq_axis!r}")
+            raise fail(
+                _FN, "seq_axis", "(ulysses_axis, ring_axis) for strategy 'usp'", repr(seq_axis)
+            )
         ulysses_axis, ring_axis = seq_axis
         n_ulysses = _check_axis(mesh, ulysses_axis, "seq_axis[0] (ulysses axis)")
         n_ring = _check_axis(mesh, ring_axis, "seq_axis[1] (ring axis)")
         seq_axis = ring_axis
     else:
         if not isinstance(seq_axis, str):
-            _fail(
-                f"strategy {strategy!r} needs seq_axis to be one mesh axis name, got {seq_axis!r}"
+            raise fail(
+                _FN, "seq_axis", f"one mesh axis name for strategy {strategy!r}", repr(seq_axis)
             )
         n_ring = _check_axis(mesh, seq_axis, "seq_axis")
         n_ulysses = 1
@@ -336,23 +350,38 @@ def sharded_attention(
     n_head = 1 if head_axis is None else _check_axis(mesh, head_axis, "head_axis")
     used = [a for a in (seq_axis, ulysses_axis, batch_axis, head_axis) if a is not None]
     if len(set(used)) != len(used):
-        _fail(f"seq_axis, batch_axis and head_axis must be distinct mesh axes, got {used}")
+        raise fail(_FN, "seq_axis, batch_axis, head_axis", "distinct mesh axes", used)
 
     n_seq = n_ring * n_ulysses
-    for name, length in (("T (q)", T), ("S (k/v)", S)):
+    for arg, name, length in (("q", "T", T), ("k", "S", S)):
         if length % n_seq != 0:
-            _fail(f"sequence length {name}={length} must be divisible by {n_seq} sequence shards")
+            raise fail(
+                _FN,
+                arg,
+                f"a sequence length divisible by {n_seq} sequence shards",
+                f"{name}={length}",
+            )
         if layout == "zigzag" and length % (2 * n_ring) != 0:
-            _fail(
-                f"layout 'zigzag' needs sequence length {name}={length} divisible by "
-                f"2 x {n_ring} shards = {2 * n_ring}"
+            raise fail(
+                _FN,
+                arg,
+                f"a sequence length divisible by 2 x {n_ring} shards = {2 * n_ring} "
+                "for layout 'zigzag'",
+                f"{name}={length}",
             )
     if B % n_batch != 0:
-        _fail(f"batch B={B} must be divisible by the size {n_batch} of batch_axis {batch_axis!r}")
+        raise fail(
+            _FN,
+            "q",
+            f"a batch divisible by the size {n_batch} of batch_axis {batch_axis!r}",
+            f"B={B}",
+        )
     if N % n_head != 0 or K % n_head != 0:
-        _fail(
-            f"query heads N={N} and kv heads K={K} must both be divisible by the size {n_head} "
-            f"of head_axis {head_axis!r}"
+        raise fail(
+            _FN,
+            "q, k",
+            f"query and kv heads divisible by the size {n_head} of head_axis {head_axis!r}",
+            f"N={N}, K={K}",
         )
     kv_repeat = 1
     if strategy == "ulysses":
@@ -360,20 +389,15 @@ def sharded_attention(
     elif strategy == "usp":
         kv_repeat = _ulysses_repeat(N // n_head, K // n_head, n_ulysses, "strategy 'usp'")
 
-    mask = MaskSpec(causal=bool(causal), window=window, softcap=softcap, scale=scale)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        _fail(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+        raise fail(_FN, "block_sizes", "a ringattn.BlockSizes or None", type(block_sizes).__name__)
     if block_sizes is None and strategy == "allgather" and layout == "zigzag":
         # The local queries are two chunks far apart: query blocks no longer than a chunk keep
         # each block's positions narrow, so causal block skipping still works.
         default = BlockSizes()
         block_sizes = BlockSizes(block_q=min(default.block_q, T // n_ring // 2))
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        _fail("q_segment_ids and kv_segment_ids must be given together")
-    q_segment_ids = _check_ids("q_segment_ids", q_segment_ids, (B, T))
-    kv_segment_ids = _check_ids("kv_segment_ids", kv_segment_ids, (B, S))
-    q_positions = _check_ids("q_positions", q_positions, (B, T))
-    kv_positions = _check_ids("kv_positions", kv_positions, (B, S))
+    if B == 0 or T == 0 or S == 0:
+        return apply_sinks(*empty_attention(q, k, v), sinks)
 
     plan = _Plan(
         mesh=mesh,
@@ -385,9 +409,8 @@ def sharded_attention(
         head_axis=head_axis,
         layout_shards=n_ring,
         kv_repeat=kv_repeat,
-        mask=mask,
+        mask=spec,
         block_sizes=block_sizes,
-        return_lse=bool(return_lse),
     )
-    out, lse = _sharded(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, plan)
-    return (out, lse) if return_lse else out
+    qs, ks = (None, None) if seg is None else seg
+    return _sharded(q, k, v, qs, ks, pos.q, pos.kv, sinks, plan)

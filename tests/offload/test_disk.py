@@ -141,6 +141,10 @@ def test_bad_manifest_and_index_fail_naming_path(tmp_path):
         json.dump({"entries": [["a"]]}, f)
     with pytest.raises(CorruptCacheError, match=r"index malformed: .*index\.json"):
         DiskStore(tmp_path)
+    with open(index, "w") as f:
+        json.dump({"version": 1, "entries": []}, f)
+    with pytest.raises(CorruptCacheError, match=r"format version 1, expected 2: .*index\.json"):
+        DiskStore(tmp_path)
 
 
 def test_budget_evicts_least_recently_used(tmp_path):

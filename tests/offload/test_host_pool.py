@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from offload._page_copy import chunks
 from offload import (
     HostPagePool,
     OffloadManager,
@@ -19,9 +18,9 @@ from offload import (
     page_in,
     page_out,
     prefetch_layer,
-    ready,
     wait,
 )
+from offload._page_copy import chunks
 from ringattn import attention_reference
 from tests._util import assert_close, make_test_mesh
 

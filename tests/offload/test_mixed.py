@@ -206,43 +206,48 @@ def test_mass_kept_helpers():
     assert d.tolist() == [[3, 0, 7]] and c.tolist() == [[0, 5, 0]]  # keep wins an overlap
 
 
+@pytest.mark.no_typecheck
 def test_errors():
     q, k, v, k_pages, v_pages, table, lengths = _setup()
     f = mixed_residency_attention
-    with pytest.raises(ValueError, match=r"q must be \[B, T, N, H\]"):
+    with pytest.raises(ValueError, match=r"q: expected an array \[B, T, N, H\]"):
         f(q[0], k_pages, v_pages, table, lengths)
-    with pytest.raises(ValueError, match="k_pages must be"):
+    with pytest.raises(ValueError, match="k_pages: expected an array"):
         f(q, k_pages[0], v_pages, table, lengths)
-    with pytest.raises(ValueError, match="v_pages must have k_pages' shape"):
+    with pytest.raises(ValueError, match="v_pages: expected k_pages' shape"):
         f(q, k_pages, v_pages[:, :3], table, lengths)
-    with pytest.raises(ValueError, match="must be a multiple of kv heads"):
+    with pytest.raises(
+        ValueError, match="q: expected a number of heads N=3 that kv heads K=2 divide"
+    ):
         f(q[:, :, :3], k_pages, v_pages, table, lengths)
-    with pytest.raises(ValueError, match="device_table must be an int"):
+    with pytest.raises(ValueError, match="device_table: expected an integer array int"):
         f(q, k_pages, v_pages, table.astype(jnp.float32), lengths)
-    with pytest.raises(ValueError, match="device_table must have B=5 rows"):
+    with pytest.raises(ValueError, match="device_table: expected B=5 rows"):
         f(q, k_pages, v_pages, table[:2], lengths)
-    with pytest.raises(ValueError, match=r"lengths must be int \[B=5\]"):
+    with pytest.raises(ValueError, match=r"lengths: expected int \[B=5\]"):
         f(q, k_pages, v_pages, table, lengths[:2])
-    with pytest.raises(ValueError, match="given together"):
+    with pytest.raises(
+        ValueError, match="cold_v_pages: expected cold_k_pages and cold_v_pages given together"
+    ):
         f(q, k_pages, v_pages, table, lengths, cold_table=table, cold_k_pages=k_pages)
-    with pytest.raises(ValueError, match="without a cold_table"):
+    with pytest.raises(ValueError, match="cold_table: expected a cold_table with cold_k_pages"):
         f(q, k_pages, v_pages, table, lengths, cold_k_pages=k_pages, cold_v_pages=v_pages)
-    with pytest.raises(ValueError, match="cold_table must have shape"):
+    with pytest.raises(ValueError, match="cold_table: expected shape"):
         f(q, k_pages, v_pages, table, lengths, cold_table=table[:, :2])
-    with pytest.raises(ValueError, match="cold_k_pages must have shape"):
+    with pytest.raises(ValueError, match="cold_k_pages: expected shape"):
         f(q, k_pages, v_pages, table, lengths, cold_table=table,
           cold_k_pages=k_pages[:, :3], cold_v_pages=v_pages[:, :3])  # fmt: skip
-    with pytest.raises(ValueError, match="q_positions must be"):
+    with pytest.raises(ValueError, match="q_positions: expected shape"):
         f(q, k_pages, v_pages, table, lengths, q_positions=jnp.zeros((5, 2), jnp.int32))
     q2 = jnp.concatenate([q, q], axis=1)
     with pytest.raises(NotImplementedError, match="return_page_mass with a cold part needs T"):
         f(q2, k_pages, v_pages, table, lengths, cold_table=table, return_page_mass=True)
     keep = jnp.ones((B, M), bool)
-    with pytest.raises(ValueError, match="page_table must be an int"):
+    with pytest.raises(ValueError, match="page_table: expected an integer array"):
         split_residency(table.astype(jnp.float32), keep, keep)
-    with pytest.raises(ValueError, match="demote must be bool"):
+    with pytest.raises(ValueError, match="demote: expected bool"):
         split_residency(table, keep, keep.astype(jnp.int32))
-    with pytest.raises(ValueError, match="lse_kept shape"):
+    with pytest.raises(ValueError, match="lse_kept: expected lse_full's shape"):
         mass_kept_from_lse(jnp.zeros(2), jnp.zeros(3))
-    with pytest.raises(ValueError, match=r"page_mass must be \[B, N, M\]"):
+    with pytest.raises(ValueError, match=r"page_mass: expected \[B, N, M\]"):
         mass_kept_from_page_mass(jnp.zeros((2, 3)), keep)

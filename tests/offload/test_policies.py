@@ -302,69 +302,99 @@ def test_token_attention_mass_matches_reference_probabilities():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(kind="lru", budget=1), "kind must be one of"),
-        (dict(kind="recency", budget=-1, page_size=1), "budget count must be >= 0"),
-        (dict(kind="recency", budget=1.5, page_size=1), r"budget fraction must be in \(0, 1\]"),
-        (dict(kind="recency", budget=0.0, page_size=1), r"budget fraction must be in \(0, 1\]"),
-        (dict(kind="recency", budget=True, page_size=1), "budget must be an int count"),
-        (dict(kind="recency", budget=1, granularity="head"), "granularity must be"),
-        (dict(kind="recency", budget=1), "page_size must be an int >= 1"),
+        (dict(kind="lru", budget=1), "kind: expected one of"),
+        (dict(kind="recency", budget=-1, page_size=1), "budget: expected an int >= 0, got -1"),
+        (
+            dict(kind="recency", budget=1.5, page_size=1),
+            r"budget: expected a float in \(0.0, 1.0\]",
+        ),
+        (
+            dict(kind="recency", budget=0.0, page_size=1),
+            r"budget: expected a float in \(0.0, 1.0\]",
+        ),
+        (dict(kind="recency", budget=True, page_size=1), "budget: expected an int count"),
+        (dict(kind="recency", budget=float("nan"), page_size=1), "budget: expected a finite float"),
+        (dict(kind="recency", budget=1, granularity="head"), "granularity: expected one of"),
+        (dict(kind="recency", budget=1), "page_size: expected an int >= 1"),
+        (
+            dict(kind="recency", budget=1, page_size=2.0),
+            "page_size: expected an int >= 1, got float",
+        ),
         (
             dict(kind="recency", budget=1, granularity="token", page_size=2),
-            "page_size must be None",
+            "page_size: expected None",
         ),
-        (dict(kind="h2o", budget=1, page_size=1, sink=-1), "sink must be an int >= 0"),
-        (dict(kind="h2o", budget=1, page_size=1, recent=1.5), "recent must be an int >= 0"),
-        (dict(kind="recency", budget=1, page_size=1, sink=1), "sink must be 0 for kind='recency'"),
-        (dict(kind="streaming", budget=1, page_size=1, recent=1), "recent must be 0"),
-        (dict(kind="snapkv", budget=1, page_size=1, pool_size=2), "pool_size must be an odd"),
-        (dict(kind="streaming", budget=1, page_size=1, pool_size=3), "pool_size > 1 needs"),
-        (dict(kind="snapkv", budget=1, page_size=1, pool="min"), "pool must be"),
-        (dict(kind="tova", budget=1, page_size=1, head_reduce="mean"), "head_reduce must be"),
+        (dict(kind="h2o", budget=1, page_size=1, sink=-1), "sink: expected an int >= 0"),
+        (dict(kind="h2o", budget=1, page_size=1, recent=1.5), "recent: expected an int >= 0"),
+        (dict(kind="h2o", budget=1, page_size=1, recent=False), "recent: expected an int >= 0"),
+        (
+            dict(kind="recency", budget=1, page_size=1, sink=1),
+            "sink: expected 0 for kind='recency'",
+        ),
+        (dict(kind="streaming", budget=1, page_size=1, recent=1), "recent: expected 0"),
+        (dict(kind="snapkv", budget=1, page_size=1, pool_size=2), "pool_size: expected an odd"),
+        (dict(kind="streaming", budget=1, page_size=1, pool_size=3), "pool_size: expected 1 for"),
+        (dict(kind="snapkv", budget=1, page_size=1, pool="min"), "pool: expected one of"),
+        (dict(kind="tova", budget=1, page_size=1, head_reduce="mean"), "head_reduce: expected one"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_policy_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RetentionPolicy(**kwargs)
 
 
+def test_policy_accepts_numpy_scalars_and_normalises():
+    pol = RetentionPolicy(
+        "h2o", np.float32(0.5), page_size=np.int64(4), sink=np.int32(1), recent=np.int8(2)
+    )
+    assert pol == RetentionPolicy("h2o", 0.5, page_size=4, sink=1, recent=2)
+    assert hash(pol) == hash(RetentionPolicy("h2o", 0.5, page_size=4, sink=1, recent=2))
+    assert type(pol.sink) is int and type(pol.budget) is float
+    assert RetentionPolicy("recency", np.int64(3), granularity="token").budget == 3
+    state = init_policy_state(np.int64(2), np.int32(4), policy=pol)
+    assert state.scores.shape == (2, 4)
+    assert budget_units(pol, np.int64(7)) == 4
+
+
+@pytest.mark.no_typecheck
 def test_function_errors():
     pol = RetentionPolicy("h2o", 2, page_size=2)
     tok = RetentionPolicy("h2o", 2, granularity="token")
     state = init_policy_state(2, 4, policy=pol)
     lengths = jnp.array([3, 4])
-    with pytest.raises(ValueError, match="policy must be a RetentionPolicy"):
+    with pytest.raises(ValueError, match="policy: expected a RetentionPolicy"):
         init_policy_state(2, 4, policy="h2o")
-    with pytest.raises(ValueError, match="policy must be a RetentionPolicy"):
+    with pytest.raises(ValueError, match="policy: expected a RetentionPolicy"):
         update_policy_state(state, jnp.zeros((2, 1, 4)), policy=None)
-    with pytest.raises(ValueError, match="policy must be a RetentionPolicy"):
+    with pytest.raises(ValueError, match="policy: expected a RetentionPolicy"):
         select_keep(state, lengths, policy=None)
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+    with pytest.raises(ValueError, match="batch_size: expected an int >= 1"):
         init_policy_state(0, 4, policy=pol)
-    with pytest.raises(ValueError, match="num_units must be an int >= 1"):
+    with pytest.raises(ValueError, match="num_units: expected an int >= 1, got float"):
         init_policy_state(2, 4.0, policy=pol)
-    with pytest.raises(ValueError, match=r"mass must have shape \[B=2, N, U=4\]"):
+    with pytest.raises(ValueError, match=r"mass: expected shape \[B=2, N, U=4\]"):
         update_policy_state(state, jnp.zeros((2, 5)), policy=pol)
-    with pytest.raises(ValueError, match="mode must be 'demote' or 'drop'"):
+    with pytest.raises(ValueError, match="mode: expected one of"):
         select_keep(state, lengths, policy=pol, mode="evict")
-    with pytest.raises(ValueError, match=r"lengths must have shape \[B=2\]"):
+    with pytest.raises(ValueError, match=r"lengths: expected int \[B=2\]"):
         select_keep(state, jnp.array([3]), policy=pol)
-    with pytest.raises(ValueError, match="lengths must be integer"):
+    with pytest.raises(ValueError, match=r"lengths: expected int \[B=2\], got .*float32"):
         select_keep(state, jnp.array([3.0, 4.0]), policy=pol)
-    with pytest.raises(ValueError, match="page_table must be int"):
+    with pytest.raises(ValueError, match="page_table: expected int"):
         select_keep(state, lengths, policy=pol, page_table=jnp.ones((2, 5), jnp.int32))
-    with pytest.raises(ValueError, match="page_table needs granularity='page'"):
+    with pytest.raises(ValueError, match="page_table: expected None for granularity='token'"):
         select_keep(state, lengths, policy=tok, page_table=jnp.ones((2, 4), jnp.int32))
-    with pytest.raises(ValueError, match="pinned must be bool"):
+    with pytest.raises(ValueError, match="pinned: expected bool"):
         select_keep(state, lengths, policy=pol, pinned=jnp.array([1, 0]))
     q = jnp.zeros((1, 2, 3, 4))
-    with pytest.raises(ValueError, match="q must be"):
+    with pytest.raises(ValueError, match="k: expected"):
         token_attention_mass(q, jnp.zeros((1, 5, 1, 8)), jnp.array([5]))
-    with pytest.raises(ValueError, match="must be a multiple of k heads"):
+    with pytest.raises(ValueError, match="k: expected kv heads K >= 1 dividing q heads"):
         token_attention_mass(q, jnp.zeros((1, 5, 2, 4)), jnp.array([5]))
-    with pytest.raises(ValueError, match="lengths must have shape"):
+    with pytest.raises(ValueError, match="lengths: expected int"):
         token_attention_mass(q, jnp.zeros((1, 5, 1, 4)), jnp.array([5, 5]))
-    with pytest.raises(ValueError, match="q_positions must be"):
+    with pytest.raises(ValueError, match="q_positions: expected shape"):
         token_attention_mass(
             q, jnp.zeros((1, 5, 1, 4)), jnp.array([5]), q_positions=jnp.zeros((1, 3), jnp.int32)
         )

@@ -1,4 +1,5 @@
-"""paged_attention / ragged_paged_attention against the dense float32 oracle and JAX's reference."""
+"""paged_attention / ragged_paged_attention against the public float32 oracles
+(``paged.paged_attention_reference`` / ``ragged_paged_attention_reference``) and JAX's reference."""
 
 import functools
 
@@ -7,8 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged._attention import paged_attention, ragged_paged_attention
-from ringattn import attention_reference
+from paged import (
+    PagedAttentionOutput,
+    paged_attention,
+    paged_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 from tests._util import assert_close
 
 
@@ -44,81 +50,16 @@ def make_pool(rng, *, K, C, H, lengths, M, dtype, spare=3):
     )
 
 
-def gather_dense(k_pages, v_pages, table, lengths):
-    """``k, v [B, M*C, K, H]`` (zeros where invalid) and a ``[B, S]`` validity mask."""
-    k_pages, v_pages = np.asarray(k_pages, np.float32), np.asarray(v_pages, np.float32)
-    table, lengths = np.asarray(table), np.asarray(lengths)
-    K, P, C, H = k_pages.shape
-    B, M = table.shape
-    safe = np.where((table > 0) & (table < P), table, 0)
-    valid = (np.arange(M * C)[None] < lengths[:, None]) & np.repeat(
-        (table > 0) & (table < P), C, axis=1
-    )
-
-    def dense(pool):
-        x = pool[:, safe].transpose(1, 2, 3, 0, 4).reshape(B, M * C, K, H)
-        return np.where(valid[..., None, None], x, 0.0)
-
-    return jnp.asarray(dense(k_pages)), jnp.asarray(dense(v_pages)), valid
+def reference(q, k_pages, v_pages, table, lengths, **options):
+    """The public oracle, jitted (one compile per shape instead of one per eager op)."""
+    return _jit_reference(q, k_pages, v_pages, table, lengths, **options)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "window", "softcap", "scale"))
-def _jit_reference(q, k, v, q_positions, q_segment_ids, kv_segment_ids, **mask):
-    # One compile per shape instead of one per eager op: the test budget is compile-bound.
-    return attention_reference(
-        q,
-        k,
-        v,
-        q_positions=q_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        return_lse=True,
-        **mask,
-    )
-
-
-def reference(q, k_pages, v_pages, table, lengths, q_positions, *, q_valid=None, **mask):
-    """Dense float32 oracle on the gathered KV; rows with ``q_valid`` False see nothing."""
-    k, v, valid = gather_dense(k_pages, v_pages, table, lengths)
-    B, T = q.shape[:2]
-    q_valid = np.ones((B, T), bool) if q_valid is None else np.asarray(q_valid)
-    return _jit_reference(
-        q.astype(jnp.float32),
-        k,
-        v,
-        jnp.asarray(q_positions, jnp.int32),
-        jnp.asarray(np.where(q_valid, 1, 2), jnp.int32),
-        jnp.asarray(valid, jnp.int32),
-        **mask,
-    )
-
-
-def page_mass_reference(
-    q, k_pages, v_pages, table, lengths, q_positions, *, window, scale, softcap=None
-):
-    """Softmax probability per page-table slot, summed over queries: ``[B, N, M]``."""
-    k, _, valid = gather_dense(k_pages, v_pages, table, lengths)
-    q = np.asarray(q, np.float64)
-    k = np.asarray(k, np.float64)
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    M, C = table.shape[1], k_pages.shape[2]
-    k = np.repeat(k, N // K, axis=2)
-    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale
-    if softcap is not None:
-        logits = softcap * np.tanh(logits / softcap)
-    pos = np.arange(M * C)
-    qp = np.asarray(q_positions)
-    vis = valid[:, None, :] & (pos[None, None] <= qp[:, :, None])
-    if window is not None:
-        vis &= pos[None, None] > qp[:, :, None] - window
-    logits = np.where(vis[:, None], logits, -np.inf)
-    m = np.max(logits, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(logits - m)
-    denom = p.sum(-1, keepdims=True)
-    p = np.where(denom > 0, p / np.where(denom > 0, denom, 1.0), 0.0)
-    return p.sum(axis=2).reshape(B, N, M, C).sum(-1)
+@functools.partial(
+    jax.jit, static_argnames=("mask", "causal", "window", "softcap", "scale", "return_page_mass")
+)
+def _jit_reference(q, k_pages, v_pages, table, lengths, **options):
+    return paged_attention_reference(q, k_pages, v_pages, table, lengths, **options)
 
 
 # (C, heads (N, K), dtype, window, softcap, T, pages_per_block, jit)
@@ -153,40 +94,22 @@ def test_paged_attention_matches_reference(C, heads, dtype, window, softcap, T, 
             window=window,
             softcap=softcap,
             pages_per_block=ppb,
-            return_lse=True,
             return_page_mass=True,
         )
 
     fn = jax.jit(run) if use_jit else run
-    out, lse, mass = fn(q, k_pages, v_pages, table, lengths)
+    res = fn(q, k_pages, v_pages, table, lengths)
+    assert isinstance(res, PagedAttentionOutput)
+    out, lse, mass = res
     assert out.dtype == dtype and lse.dtype == jnp.float32 and mass.shape == (5, N, M)
-    q_positions = lengths[:, None] - T + jnp.arange(T)
-    ref_out, ref_lse = reference(
-        q,
-        k_pages,
-        v_pages,
-        table,
-        lengths,
-        q_positions,
-        causal=True,
-        window=window,
-        softcap=softcap,
+    # The oracle's defaults are the kernel's: causal, queries at the last T positions.
+    ref_out, ref_lse, ref_mass = reference(
+        q, k_pages, v_pages, table, lengths, window=window, softcap=softcap, return_page_mass=True
     )
     assert_close(out, ref_out, dtype=dtype, what="out")
     seen = np.isfinite(np.asarray(ref_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
     assert_close(np.where(seen, lse, 0.0), np.where(seen, ref_lse, 0.0), dtype=dtype, what="lse")
-    ref_mass = page_mass_reference(
-        q.astype(jnp.float32),
-        k_pages,
-        v_pages,
-        table,
-        lengths,
-        q_positions,
-        window=window,
-        scale=1 / np.sqrt(H),
-        softcap=softcap,
-    )
     assert_close(mass, ref_mass, dtype=dtype, what="page_mass")
     # Each query that sees a key spreads exactly one unit of probability over the pages.
     np.testing.assert_allclose(
@@ -202,7 +125,7 @@ def test_explicit_positions_non_causal_and_scale():
     q = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
     q_positions = jnp.array([[2, 5, 8], [0, 11, 30]], jnp.int32)
     for causal in (True, False):
-        out = paged_attention(
+        out, _, _ = paged_attention(
             q,
             k_pages,
             v_pages,
@@ -212,8 +135,8 @@ def test_explicit_positions_non_causal_and_scale():
             causal=causal,
             scale=0.3,
         )
-        ref, _ = reference(
-            q, k_pages, v_pages, table, lengths, q_positions, causal=causal, scale=0.3
+        ref, _, _ = reference(
+            q, k_pages, v_pages, table, lengths, q_positions=q_positions, causal=causal, scale=0.3
         )
         assert_close(out, ref, dtype=jnp.float32, what=f"causal={causal}")
 
@@ -227,8 +150,10 @@ def test_bad_page_ids_are_masked_never_read():
     P = k_pages.shape[1]
     table = table.at[0, 1].set(P + 2).at[1, 0].set(-1).at[2, 2].set(0)
     q = jnp.asarray(rng.standard_normal((3, 1, 2, 8)), jnp.float32)
-    out = paged_attention(q, k_pages, v_pages, table, lengths)
-    ref, _ = reference(q, k_pages, v_pages, table, lengths, lengths[:, None] - 1, causal=True)
+    out = paged_attention(q, k_pages, v_pages, table, lengths).out
+    ref = reference(
+        q, k_pages, v_pages, table, lengths, q_positions=lengths[:, None] - 1, causal=True
+    ).out
     assert_close(out, ref, dtype=jnp.float32, what="masked bad ids")
 
 
@@ -238,13 +163,17 @@ def test_default_arguments_and_single_output():
         rng, K=2, C=16, H=8, lengths=[40, 3], M=4, dtype=jnp.float32
     )
     q = jnp.asarray(rng.standard_normal((2, 1, 2, 8)), jnp.float32)
-    out = paged_attention(q, k_pages, v_pages, table, lengths)
-    assert isinstance(out, jax.Array)
-    ref, _ = reference(q, k_pages, v_pages, table, lengths, lengths[:, None] - 1, causal=True)
+    res = paged_attention(q, k_pages, v_pages, table, lengths)
+    assert isinstance(res, PagedAttentionOutput) and res.page_mass is None
+    out = res.out
+    ref = reference(
+        q, k_pages, v_pages, table, lengths, q_positions=lengths[:, None] - 1, causal=True
+    ).out
     assert_close(out, ref, dtype=jnp.float32, what="defaults")
-    out2, mass = paged_attention(q, k_pages, v_pages, table, lengths, return_page_mass=True)
+    out2, lse2, mass = paged_attention(q, k_pages, v_pages, table, lengths, return_page_mass=True)
     assert mass.shape == (2, 2, 4)
     np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(res.lse))
 
 
 def ragged_inputs(rng, C, K, N, H, dtype=jnp.float32):
@@ -262,30 +191,6 @@ def ragged_inputs(rng, C, K, N, H, dtype=jnp.float32):
     return q, k_pages, v_pages, table, lengths, jnp.asarray(cu), q_lens
 
 
-def ragged_reference(q, k_pages, v_pages, table, lengths, cu, q_lens, num_seqs, **mask):
-    """One padded dense call: sequence b's queries at rows [b, :q_len] of a [B, T_max] batch."""
-    B = len(q_lens)
-    T = max(q_lens)
-    qq = np.zeros((B, T, *q.shape[1:]), np.float32)
-    pos = np.zeros((B, T), np.int32)
-    valid = np.zeros((B, T), bool)
-    for b in range(num_seqs):
-        n, s = q_lens[b], int(cu[b])
-        qq[b, :n] = np.asarray(q[s : s + n], np.float32)
-        pos[b, :n] = int(lengths[b]) - n + np.arange(n)
-        valid[b, :n] = True
-    o, l = reference(
-        jnp.asarray(qq), k_pages, v_pages, table, lengths, pos, q_valid=valid, causal=True, **mask
-    )
-    outs = np.zeros(q.shape, np.float32)
-    lses = np.full(q.shape[:2], -np.inf, np.float32)
-    for b in range(num_seqs):
-        n, s = q_lens[b], int(cu[b])
-        outs[s : s + n] = np.asarray(o[b, :n])
-        lses[s : s + n] = np.asarray(l[b, :n])
-    return outs, lses
-
-
 @pytest.mark.parametrize(
     "C, heads, window, softcap, qpb, dtype",
     [
@@ -298,19 +203,20 @@ def test_ragged_matches_reference(C, heads, window, softcap, qpb, dtype):
     N, K = heads
     q, k_pages, v_pages, table, lengths, cu, q_lens = ragged_inputs(rng, C, K, N, 8, dtype)
     run = jax.jit(
-        lambda *a: ragged_paged_attention(
-            *a,
+        functools.partial(
+            ragged_paged_attention,
             window=window,
             softcap=softcap,
             pages_per_block=2,
             queries_per_block=qpb,
-            return_lse=True,
         )
     )
-    out, lse = run(q, k_pages, v_pages, table, lengths, cu, jnp.int32(4))
-    ref_out, ref_lse = ragged_reference(
-        q, k_pages, v_pages, table, lengths, cu, q_lens, 4, window=window, softcap=softcap
-    )
+    out, lse, mass = run(q, k_pages, v_pages, table, lengths, cu, jnp.int32(4))
+    assert mass is None
+    ref_out, ref_lse, _ = jax.jit(
+        functools.partial(ragged_paged_attention_reference, window=window, softcap=softcap)
+    )(q, k_pages, v_pages, table, lengths, cu, jnp.int32(4))
+    ref_out, ref_lse = np.asarray(ref_out, np.float32), np.asarray(ref_lse)
     assert_close(out, ref_out, dtype=dtype, what="ragged out")
     seen = np.isfinite(ref_lse)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
@@ -348,7 +254,7 @@ def test_ragged_matches_jax_reference():
     )(q, kv)
     out = ragged_paged_attention(
         q, k_pages, v_pages, table, lengths, cu, num_seqs, window=5, softcap=3.0
-    )
+    ).out
     assert_close(out, expected, dtype=jnp.float32, what="vs ref_ragged_paged_attention")
 
 
@@ -358,8 +264,8 @@ def test_ragged_decode_batch_equals_paged_attention():
         rng, K=1, C=4, H=8, lengths=[5, 12, 1], M=3, dtype=jnp.float32
     )
     q = jnp.asarray(rng.standard_normal((3, 1, 2, 8)), jnp.float32)
-    a = paged_attention(q, k_pages, v_pages, table, lengths)
-    b = ragged_paged_attention(q[:, 0], k_pages, v_pages, table, lengths, jnp.arange(4), 3)
+    a = paged_attention(q, k_pages, v_pages, table, lengths).out
+    b = ragged_paged_attention(q[:, 0], k_pages, v_pages, table, lengths, jnp.arange(4), 3).out
     np.testing.assert_allclose(np.asarray(a[:, 0]), np.asarray(b), atol=1e-6)
 
 
@@ -371,23 +277,24 @@ def _small():
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(q=jnp.zeros((1, 4, 8))), "q must have rank 4"),
-        (dict(q=jnp.zeros((1, 1, 4, 8), jnp.int32)), "q must be floating point"),
-        (dict(q=jnp.zeros((1, 0, 4, 8))), "at least one query"),
+        (dict(q=jnp.zeros((1, 4, 8))), "q: expected rank 4"),
+        (dict(q=jnp.zeros((1, 1, 4, 8), jnp.int32)), "q: expected a floating point"),
+        (dict(q=jnp.zeros((1, 0, 4, 8))), "q: expected at least one query"),
         (dict(q=jnp.zeros((1, 1, 3, 8))), "multiple of kv heads"),
-        (dict(q=jnp.zeros((1, 1, 4, 4))), "head dim of q"),
-        (dict(q=jnp.zeros((1, 1, 4, 8), jnp.bfloat16)), "q dtype"),
-        (dict(k=jnp.zeros((2, 4, 4, 8, 1))), "k_pages must have rank 4"),
-        (dict(v=jnp.zeros((2, 5, 4, 8))), "k_pages and v_pages must match"),
-        (dict(t=jnp.ones((2, 2), jnp.int32)), "page_table must have 1 rows"),
-        (dict(t=jnp.ones((1, 2))), "page_table must be an integer"),
-        (dict(lengths=jnp.ones((2,), jnp.int32)), "lengths must have shape"),
-        (dict(pages_per_block=0), "pages_per_block must be a positive int"),
+        (dict(q=jnp.zeros((1, 1, 4, 4))), "q: expected head dim 8"),
+        (dict(q=jnp.zeros((1, 1, 4, 8), jnp.bfloat16)), "q: expected dtype float32"),
+        (dict(k=jnp.zeros((2, 4, 4, 8, 1))), "k_pages: expected rank 4"),
+        (dict(v=jnp.zeros((2, 5, 4, 8))), "v_pages: expected the shape and dtype of k_pages"),
+        (dict(t=jnp.ones((2, 2), jnp.int32)), "page_table: expected 1 rows"),
+        (dict(t=jnp.ones((1, 2))), "page_table: expected an integer array"),
+        (dict(lengths=jnp.ones((2,), jnp.int32)), r"lengths: expected shape \(1,\)"),
+        (dict(pages_per_block=0), "pages_per_block: expected an int >= 1"),
         (dict(window=0), "window"),
         (dict(softcap=-1.0), "softcap"),
-        (dict(q_positions=jnp.zeros((1, 2), jnp.int32)), "q_positions must have shape"),
+        (dict(q_positions=jnp.zeros((1, 2), jnp.int32)), "q_positions: expected shape"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_paged_attention_errors(change, match):
     q, k, v, t, lengths = _small()
     q = change.pop("q", q)
@@ -402,15 +309,16 @@ def test_paged_attention_errors(change, match):
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(q=jnp.zeros((1, 1, 4, 8))), "q must have rank 3"),
-        (dict(q=jnp.zeros((0, 4, 8))), "at least one token row"),
-        (dict(cu=jnp.zeros((3,), jnp.int32)), "cu_q_lens must have shape"),
-        (dict(cu=jnp.zeros((2,))), "cu_q_lens must be an integer"),
-        (dict(num_seqs=jnp.zeros((2,), jnp.int32)), "num_seqs must be one integer"),
-        (dict(queries_per_block=0), "queries_per_block must be a positive int"),
-        (dict(pages_per_block=1.5), "pages_per_block must be a positive int"),
+        (dict(q=jnp.zeros((1, 1, 4, 8))), "q: expected rank 3"),
+        (dict(q=jnp.zeros((0, 4, 8))), "q: expected at least one token row"),
+        (dict(cu=jnp.zeros((3,), jnp.int32)), "cu_q_lens: expected shape"),
+        (dict(cu=jnp.zeros((2,))), "cu_q_lens: expected an integer array"),
+        (dict(num_seqs=jnp.zeros((2,), jnp.int32)), "num_seqs: expected one integer"),
+        (dict(queries_per_block=0), "queries_per_block: expected an int >= 1"),
+        (dict(pages_per_block=1.5), "pages_per_block: expected an int >= 1"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_ragged_errors(change, match):
     q, k, v, t, lengths = _small()
     q = change.pop("q", q[0])

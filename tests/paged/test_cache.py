@@ -23,7 +23,7 @@ from paged import (
     write,
     write_layer,
 )
-from ringattn import attention_reference
+from ringattn import Positions, attention_reference
 from tests._util import assert_close
 
 L, K, C, H, B, M = 2, 2, 4, 8, 3, 3
@@ -171,15 +171,14 @@ def test_prefill_then_decode_attention_matches_reference():
     layer = 1
     out = paged_attention(
         q, cache.k_pages[layer], cache.v_pages[layer], cache.page_table, cache.lengths
-    )
+    ).out
     gk, gv = gather_kv(cache, layer)
     S = gk.shape[1]
-    ref = jax.jit(functools.partial(attention_reference, causal=True))(
+    ref, _ = jax.jit(functools.partial(attention_reference, causal=True))(
         q,
         gk,
         gv,
-        q_positions=cache.lengths[:, None] - 1,
-        kv_positions=jnp.broadcast_to(jnp.arange(S), (B, S)),
+        positions=Positions(cache.lengths[:, None] - 1, jnp.broadcast_to(jnp.arange(S), (B, S))),
     )
     assert_close(out, ref, dtype=jnp.float32, what="cache attention")
 
@@ -337,7 +336,7 @@ def test_with_page_table_is_the_hand_off_and_is_jittable():
     "table, lengths, match",
     [
         (np.zeros((1, 3), np.int32), None, r"page_table: expected the cache's shape"),
-        (np.zeros((2, 3), np.float32), None, "page_table: expected a integer array"),
+        (np.zeros((2, 3), np.float32), None, "page_table: expected an integer array"),
         (np.zeros((2, 3), np.int32), np.zeros((3,), np.int32), r"lengths: expected shape \(2,\)"),
         (np.zeros((2, 3), np.int32), [1, 2], "lengths: expected a rank-1 integer array"),
     ],

@@ -52,14 +52,14 @@ def main(port: int, process_id: int, num_processes: int) -> int:
     def loss(q, k, v, dout):
         out = sharded_attention(
             q, k, v, mesh=mesh, seq_axis="seq", strategy="ring", layout="zigzag", causal=True
-        )
+        ).out
         return jnp.sum(out * dout), out
 
     grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     (dq, dk, dv), out = grad_fn(*(global_array(x) for x in (q, k, v, dout)))
 
     def ref_loss(q, k, v):
-        out = attention_reference(q, k, v, causal=True)
+        out = attention_reference(q, k, v, causal=True).out
         return jnp.sum(out * dout), out
 
     (rdq, rdk, rdv), rout = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from ringattn import BlockSizes, attention_reference, blockwise_attention
+from ringattn import (
+    BlockSizes,
+    MaskSpec,
+    Positions,
+    SegmentIds,
+    attention_reference,
+    blockwise_attention,
+)
 from tests._util import assert_close
 
 SMALL_BLOCKS = BlockSizes(block_q=8, block_kv=16, block_q_bwd=16, block_kv_bwd=8)
@@ -54,17 +61,17 @@ def _options(B, T, S, opts):
     opts = dict(opts)
     kw = {}
     if opts.pop("offset", False):
-        kw["q_positions"] = jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T))
+        q_pos = jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T))
+        kw["positions"] = Positions(q_pos, None)
     segs = opts.pop("segments", None)
     if segs is not None:
-        kw["q_segment_ids"] = _segments(B, T, segs[0])
-        kw["kv_segment_ids"] = _segments(B, S, segs[1])
+        kw["segment_ids"] = SegmentIds(_segments(B, T, segs[0]), _segments(B, S, segs[1]))
     kw.update(opts)
     return kw
 
 
 def _loss(fn, q, k, v, kw):
-    out, lse = fn(q, k, v, return_lse=True, **kw)
+    out, lse = fn(q, k, v, **kw)
     weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
     lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.25)
     return jnp.sum(out.astype(jnp.float32) * weights) + lse_term
@@ -87,11 +94,11 @@ def test_forward_and_gradients_match_reference(case, dtype, use_jit):
     fast = functools.partial(blockwise_attention, block_sizes=SMALL_BLOCKS)
 
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
-    want, want_lse = attention_reference(q32, k32, v32, return_lse=True, **kw)
+    want, want_lse = attention_reference(q32, k32, v32, **kw)
     run = (
-        jax.jit(lambda q, k, v: fast(q, k, v, return_lse=True, **kw))
+        jax.jit(lambda q, k, v: fast(q, k, v, **kw))
         if use_jit
-        else (lambda q, k, v: fast(q, k, v, return_lse=True, **kw))
+        else (lambda q, k, v: fast(q, k, v, **kw))
     )
     out, lse = run(q, k, v)
     assert out.dtype == dtype and lse.dtype == jnp.float32
@@ -115,8 +122,8 @@ def test_forward_and_gradients_match_reference(case, dtype, use_jit):
 
 def test_default_block_sizes_and_no_lse():
     q, k, v = _inputs(1, 600, 1100, 4, 2, 8, jnp.float32)
-    out = blockwise_attention(q, k, v, causal=True)
-    assert_close(out, attention_reference(q, k, v, causal=True), dtype=jnp.float32)
+    out = blockwise_attention(q, k, v, causal=True).out
+    assert_close(out, attention_reference(q, k, v, causal=True).out, dtype=jnp.float32)
 
 
 def test_fully_masked_rows_give_zeros_and_finite_gradients():
@@ -124,9 +131,9 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients():
     # Queries of segment 2 have no key of their segment.
     q_seg = jnp.asarray([[0] * 4 + [1] * 4 + [2] * 4], jnp.int32)
     kv_seg = jnp.asarray([[0] * 6 + [1] * 6], jnp.int32)
-    kw = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=True)
+    kw = dict(segment_ids=SegmentIds(q_seg, kv_seg), causal=True)
     fast = functools.partial(blockwise_attention, block_sizes=BlockSizes(4, 4))
-    out, lse = fast(q, k, v, return_lse=True, **kw)
+    out, lse = fast(q, k, v, **kw)
     assert not np.asarray(out[0, 8:]).any()
     assert np.isneginf(np.asarray(lse[0, 8:])).all()
     grads = jax.grad(functools.partial(_loss, fast, kw=kw), argnums=(0, 1, 2))(q, k, v)
@@ -145,17 +152,19 @@ def test_masked_blocks_are_skipped_not_computed():
     k = k.at[:, 32:].set(jnp.nan)
     v = v.at[:, 32:].set(jnp.nan)
     fast = functools.partial(blockwise_attention, block_sizes=BlockSizes(8, 16))
-    out = fast(q, k, v, causal=True, q_positions=q_pos)
-    want = attention_reference(q, k[:, :32], v[:, :32], causal=True, q_positions=q_pos)
+    out = fast(q, k, v, causal=True, positions=Positions(q_pos, None)).out
+    want = attention_reference(
+        q, k[:, :32], v[:, :32], causal=True, positions=Positions(q_pos, None)
+    ).out
     assert_close(out, want, dtype=jnp.float32)
     # Same with a sliding window: keys before position 8 are outside every window.
     k2, v2 = _inputs(1, 16, 64, 4, 2, 8, jnp.float32, seed=1)[1:]
     k2 = k2.at[:, :16].set(jnp.nan)
     v2 = v2.at[:, :16].set(jnp.nan)
-    out = fast(q, k2, v2, causal=True, window=8, q_positions=q_pos + 16)
+    out = fast(q, k2, v2, causal=True, window=8, positions=Positions(q_pos + 16, None)).out
     want = attention_reference(
-        q, k2, v2.at[:, :16].set(0.0), causal=True, window=8, q_positions=q_pos + 16
-    )
+        q, k2, v2.at[:, :16].set(0.0), causal=True, window=8, positions=Positions(q_pos + 16, None)
+    ).out
     assert_close(out, want, dtype=jnp.float32)
 
 
@@ -164,7 +173,7 @@ def test_memory_is_linear_not_quadratic():
 
     def temp_bytes(L):
         shape = jax.ShapeDtypeStruct((1, L, 4, 32), jnp.float32)
-        f = jax.jit(lambda q, k, v: blockwise_attention(q, k, v, causal=True))
+        f = jax.jit(lambda q, k, v: blockwise_attention(q, k, v, causal=True).out)
         return f.lower(shape, shape, shape).compile().memory_analysis().temp_size_in_bytes
 
     small, big = temp_bytes(4096), temp_bytes(16384)
@@ -190,14 +199,18 @@ def test_random_shapes_and_masks(B, T, S, K, G, causal, window, n_segments, bq, 
     rng = np.random.default_rng(seed)
     q, k, v = _inputs(B, T, S, K * G, K, 8, jnp.float32, seed=seed)
     kw = dict(causal=causal, window=window)
-    kw["q_positions"] = jnp.asarray(np.sort(rng.integers(0, 30, (B, T)), axis=1), jnp.int32)
-    kw["kv_positions"] = jnp.asarray(np.sort(rng.integers(0, 30, (B, S)), axis=1), jnp.int32)
+    kw["positions"] = Positions(
+        jnp.asarray(np.sort(rng.integers(0, 30, (B, T)), axis=1), jnp.int32),
+        jnp.asarray(np.sort(rng.integers(0, 30, (B, S)), axis=1), jnp.int32),
+    )
     if n_segments:
-        kw["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, n_segments, (B, T)), 1))
-        kw["kv_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, n_segments, (B, S)), 1))
+        kw["segment_ids"] = SegmentIds(
+            jnp.asarray(np.sort(rng.integers(0, n_segments, (B, T)), 1)),
+            jnp.asarray(np.sort(rng.integers(0, n_segments, (B, S)), 1)),
+        )
     fast = functools.partial(blockwise_attention, block_sizes=BlockSizes(bq, bk))
-    out, lse = fast(q, k, v, return_lse=True, **kw)
-    want, want_lse = attention_reference(q, k, v, return_lse=True, **kw)
+    out, lse = fast(q, k, v, **kw)
+    want, want_lse = attention_reference(q, k, v, **kw)
     assert_close(out, want, dtype=jnp.float32)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     grads = jax.grad(functools.partial(_loss, fast, kw=kw), argnums=(0, 1, 2))(q, k, v)
@@ -213,35 +226,53 @@ def test_random_shapes_and_masks(B, T, S, K, G, causal, window, n_segments, bq, 
 _Q, _K, _V = (jnp.zeros(s, jnp.float32) for s in [(1, 4, 4, 8), (1, 6, 2, 8), (1, 6, 2, 8)])
 
 
+_I = lambda *shape: jnp.zeros(shape, jnp.int32)
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "match"),
     [
-        ((_Q[0], _K, _V), {}, "q must have rank 4"),
-        ((_Q, _K[..., :4], _V[..., :4]), {}, "head dim of k/v"),
-        ((_Q, _K, _V[:, :5]), {}, "k and v must have the same shape"),
-        ((_Q, jnp.zeros((2, 6, 2, 8)), jnp.zeros((2, 6, 2, 8))), {}, "batch of k/v"),
+        ((_Q[0], _K, _V), {}, r"q: expected rank 4"),
+        ((_Q, _K[..., :4], _V[..., :4]), {}, "k: expected head dim 8"),
+        ((_Q, _K, _V[:, :5]), {}, r"v: expected the shape of k"),
+        ((_Q, jnp.zeros((2, 6, 2, 8)), jnp.zeros((2, 6, 2, 8))), {}, "k: expected batch 1"),
         ((jnp.zeros((1, 4, 3, 8)), _K, _V), {}, "multiple of kv heads"),
-        ((_Q.astype(jnp.bfloat16), _K, _V), {}, "share a dtype"),
-        ((_Q.astype(jnp.int32), _K, _V), {}, "floating point"),
-        ((_Q[:, :0], _K, _V), {}, "sequence lengths must be >= 1"),
-        ((_Q, _K, _V), {"q_segment_ids": jnp.zeros((1, 4), jnp.int32)}, "given together"),
+        ((_Q.astype(jnp.bfloat16), _K, _V), {}, "k, v: expected the dtype of q"),
+        ((_Q.astype(jnp.int32), _K, _V), {}, "q: expected a floating-point array"),
+        ((_Q[..., :0], _K[..., :0], _V[..., :0]), {}, "q: expected head dim H >= 1"),
+        ((_Q, _K[:, :, :0], _V[:, :, :0]), {}, "k: expected kv heads K >= 1"),
         (
             (_Q, _K, _V),
-            {
-                "q_segment_ids": jnp.zeros((1, 5), jnp.int32),
-                "kv_segment_ids": jnp.zeros((1, 6), jnp.int32),
-            },
-            "q_segment_ids must have shape",
+            {"segment_ids": (_I(1, 4), _I(1, 6))},
+            "segment_ids: expected a ringattn.SegmentIds",
         ),
-        ((_Q, _K, _V), {"q_positions": jnp.zeros((1, 4), jnp.float32)}, "integer array"),
-        ((_Q, _K, _V), {"kv_positions": jnp.zeros((6,), jnp.int32)}, "kv_positions must have"),
-        ((_Q, _K, _V), {"window": 0}, "window: expected a positive int"),
-        ((_Q, _K, _V), {"window": 2.5}, "window: expected a positive int"),
+        (
+            (_Q, _K, _V),
+            {"segment_ids": SegmentIds(_I(1, 5), _I(1, 6))},
+            r"segment_ids.q: expected shape \(1, 4\)",
+        ),
+        (
+            (_Q, _K, _V),
+            {"positions": Positions(jnp.zeros((1, 4)), None)},
+            "positions.q: expected an integer array",
+        ),
+        (
+            (_Q, _K, _V),
+            {"positions": Positions(None, _I(6))},
+            r"positions.kv: expected shape \(1, 6\)",
+        ),
+        ((_Q, _K, _V), {"window": 0}, "window: expected an int >= 1"),
+        ((_Q, _K, _V), {"window": 2.5}, "window: expected an int >= 1"),
+        ((_Q, _K, _V), {"window": (2, 3)}, "window: expected a tuple of one window per query head"),
         ((_Q, _K, _V), {"softcap": -1.0}, "softcap: expected a positive"),
         ((_Q, _K, _V), {"scale": float("nan")}, "scale: expected a finite"),
-        ((_Q, _K, _V), {"block_sizes": (8, 8)}, "block_sizes must be a BlockSizes"),
+        ((_Q, _K, _V), {"causal": 1}, "causal: expected a bool"),
+        ((_Q, _K, _V), {"mask": MaskSpec(), "causal": True}, "mask: expected either mask= or"),
+        ((_Q, _K, _V), {"sinks": jnp.zeros(3)}, r"sinks: expected a float array of shape \(4,\)"),
+        ((_Q, _K, _V), {"block_sizes": (8, 8)}, "block_sizes: expected a ringattn.BlockSizes"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_errors(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         blockwise_attention(*args, **kwargs)
@@ -253,12 +284,13 @@ def test_errors(args, kwargs, match):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"block_q": 0}, "block_q: expected a positive int"),
-        ({"block_kv": 1.5}, "block_kv: expected a positive int"),
-        ({"block_q_bwd": -2}, "block_q_bwd: expected a positive int or None"),
-        ({"block_kv_bwd": True}, "block_kv_bwd: expected a positive int or None"),
+        ({"block_q": 0}, "block_q: expected an int >= 1"),
+        ({"block_kv": 1.5}, "block_kv: expected an int >= 1"),
+        ({"block_q_bwd": -2}, "block_q_bwd: expected an int >= 1"),
+        ({"block_kv_bwd": True}, "block_kv_bwd: expected an int >= 1"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_block_size_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BlockSizes(**kwargs)

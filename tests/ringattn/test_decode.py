@@ -1,14 +1,18 @@
 """Sharded decode (tree attention) and the LSE all-reduce, against the dense reference."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ringattn import allreduce_attention, attention_reference, sharded_decode_attention
+from ringattn import (
+    Positions,
+    SegmentIds,
+    allreduce_attention_per_shard,
+    attention_reference,
+    decode_attention_per_shard,
+)
 from tests._util import assert_close, make_test_mesh
 
 B, T, C, H = 3, 2, 16, 8  # C: cache slots per shard
@@ -29,26 +33,30 @@ def make_inputs(n, N, K, dtype, seed=0):
 
 
 def sharded(mesh, q, k, v, lengths, q_positions, **kw):
-    def body(q, k, v, lengths, q_positions):
-        return sharded_decode_attention(
-            q,
-            k,
-            v,
-            axis_name="x",
-            lengths=lengths[0],
-            q_positions=q_positions,
-            return_lse=True,
-            **kw,
+    """Per shard, with the keys at their cache slot (``axis_index * C + arange(C)``)."""
+
+    def body(q, k, v, lengths, q_positions, kv_positions):
+        return tuple(
+            decode_attention_per_shard(
+                q,
+                k,
+                v,
+                seq_axis="x",
+                lengths=lengths[0],
+                positions=Positions(q_positions, kv_positions),
+                **kw,
+            )
         )
 
     f = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(), P(None, "x"), P(None, "x"), P("x"), P()),
+        in_specs=(P(), P(None, "x"), P(None, "x"), P("x"), P(), P(None, "x")),
         out_specs=(P(), P()),
         check_vma=True,
     )
-    return f(q, k, v, lengths, q_positions)
+    slots = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), k.shape[:2])
+    return f(q, k, v, lengths, q_positions, slots)
 
 
 def reference(n, q, k, v, lengths, q_positions, **kw):
@@ -59,17 +67,15 @@ def reference(n, q, k, v, lengths, q_positions, **kw):
         f32(q),
         f32(k),
         f32(v),
-        q_segment_ids=jnp.zeros((B, T), jnp.int32),
-        kv_segment_ids=kv_seg,
-        q_positions=q_positions,
-        return_lse=True,
+        segment_ids=SegmentIds(jnp.zeros((B, T), jnp.int32), kv_seg),
+        positions=Positions(q_positions, None),
         **kw,
     )
 
 
 def out_and_grads(f, q, k, v):
     def run(q, k, v):
-        (out, lse), vjp = jax.vjp(f, q, k, v)
+        (out, lse), vjp = jax.vjp(lambda *a: tuple(f(*a)), q, k, v)
         dout = jnp.cos(out.astype(jnp.float32)).astype(out.dtype)
         dlse = jnp.where(jnp.isneginf(lse), 0.0, 0.1 * jnp.sin(lse))
         return out, lse, vjp((dout, dlse))
@@ -109,18 +115,24 @@ def test_matches_reference(n, N, K, dtype, options):
 
 
 def test_default_lengths_and_positions():
-    """No lengths: every key valid; default kv positions are a contiguous split."""
+    """No lengths: every key valid; default kv positions are a contiguous split, and the
+    queries are the last T positions of the cache (issue 8, trap 1: not arange(T))."""
     n = 4
     mesh = make_test_mesh((n,), ("x",))
     q, k, v, _ = make_inputs(n, 4, 2, jnp.float32, seed=1)
     f = jax.shard_map(
-        functools.partial(sharded_decode_attention, axis_name="x", causal=True),
+        lambda q, k, v: decode_attention_per_shard(q, k, v, seq_axis="x", causal=True).out,
         mesh=mesh,
         in_specs=(P(), P(None, "x"), P(None, "x")),
         out_specs=P(),
     )
-    # default q positions arange(T): query t sees keys 0..t, as in the reference
-    assert_close(jax.jit(f)(q, k, v), attention_reference(q, k, v, causal=True), dtype=jnp.float32)
+    S = n * C
+    last = Positions(jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T)), None)
+    want = attention_reference(q, k, v, causal=True, positions=last).out
+    assert_close(jax.jit(f)(q, k, v), want, dtype=jnp.float32)
+    # the newest token sees the whole cache
+    full = attention_reference(q[:, -1:], k, v).out
+    assert_close(jax.jit(f)(q, k, v)[:, -1:], full, dtype=jnp.float32)
 
 
 def test_allreduce_attention_merges_partials():
@@ -135,9 +147,7 @@ def test_allreduce_attention_merges_partials():
             q,
             k[:, i * C : (i + 1) * C],
             v[:, i * C : (i + 1) * C],
-            q_segment_ids=q_seg,
-            kv_segment_ids=kv_seg[:, i * C : (i + 1) * C],
-            return_lse=True,
+            segment_ids=SegmentIds(q_seg, kv_seg[:, i * C : (i + 1) * C]),
         )
         for i in range(n)
     ]
@@ -145,15 +155,13 @@ def test_allreduce_attention_merges_partials():
     lses = jnp.stack([p[1] for p in parts])
     assert bool(jnp.all(jnp.isneginf(lses[0])))
     f = jax.shard_map(
-        lambda o, l: allreduce_attention(o[0], l[0], axis_name="x"),
+        lambda o, l: tuple(allreduce_attention_per_shard(o[0], l[0], seq_axis="x")),
         mesh=mesh,
         in_specs=(P("x"), P("x")),
         out_specs=(P(), P()),
     )
     out, lse = jax.jit(f)(outs, lses)
-    ref_out, ref_lse = attention_reference(
-        q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True
-    )
+    ref_out, ref_lse = attention_reference(q, k, v, segment_ids=SegmentIds(q_seg, kv_seg))
     assert_close(out, ref_out, dtype=jnp.float32, what="out")
     assert_close(lse, ref_lse, dtype=jnp.float32, what="lse")
 
@@ -165,7 +173,7 @@ def test_allreduce_attention_all_empty_no_nan():
 
     def loss(out, lse):
         f = jax.shard_map(
-            lambda o, l: allreduce_attention(o[0], l[0], axis_name="x"),
+            lambda o, l: tuple(allreduce_attention_per_shard(o[0], l[0], seq_axis="x")),
             mesh=mesh,
             in_specs=(P("x"), P("x")),
             out_specs=(P(), P()),
@@ -181,7 +189,7 @@ def test_allreduce_attention_all_empty_no_nan():
 def _decode_in_map(q, k, v, **kw):
     mesh = make_test_mesh((2,), ("x",))
     f = jax.shard_map(
-        functools.partial(sharded_decode_attention, **kw),
+        lambda q, k, v: decode_attention_per_shard(q, k, v, **kw).out,
         mesh=mesh,
         in_specs=(P(), P(None, "x"), P(None, "x")),
         out_specs=P(),
@@ -189,21 +197,25 @@ def _decode_in_map(q, k, v, **kw):
     return jax.jit(f)(q, k, v)
 
 
+@pytest.mark.no_typecheck
 def test_errors():
     q, k, v, _ = make_inputs(2, 4, 2, jnp.float32)
-    with pytest.raises(ValueError, match="lse must have the shape of out without its last"):
-        allreduce_attention(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4)), axis_name="x")
-    with pytest.raises(ValueError, match="axis_name must be a mesh axis name"):
-        _decode_in_map(q, k, v, axis_name=None)
-    with pytest.raises(ValueError, match=r"lengths must have shape \(3,\)"):
-        _decode_in_map(q, k, v, axis_name="x", lengths=jnp.zeros((2,), jnp.int32))
-    with pytest.raises(ValueError, match="lengths must be an integer array"):
-        _decode_in_map(q, k, v, axis_name="x", lengths=jnp.zeros((B,), jnp.float32))
-    with pytest.raises(ValueError, match=r"kv_positions must have shape \(3, 16\)"):
-        _decode_in_map(q, k, v, axis_name="x", kv_positions=jnp.zeros((B, 32), jnp.int32))
-    with pytest.raises(ValueError, match=r"q_positions must have shape \(3, 2\)"):
-        _decode_in_map(q, k, v, axis_name="x", q_positions=jnp.zeros((B, 1), jnp.int32))
-    with pytest.raises(ValueError, match="k and v must have the same shape"):
-        _decode_in_map(q, k, v[:, :16], axis_name="x")
-    with pytest.raises(ValueError, match="window: expected a positive int"):
-        _decode_in_map(q, k, v, axis_name="x", window=-1)
+    with pytest.raises(ValueError, match="lse: expected the shape of out without its last"):
+        allreduce_attention_per_shard(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4)), seq_axis="x")
+    with pytest.raises(ValueError, match="seq_axis: expected a mesh axis name"):
+        _decode_in_map(q, k, v, seq_axis=None)
+    with pytest.raises(ValueError, match=r"lengths: expected shape \(3,\)"):
+        _decode_in_map(q, k, v, seq_axis="x", lengths=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="lengths: expected an integer array"):
+        _decode_in_map(q, k, v, seq_axis="x", lengths=jnp.zeros((B,), jnp.float32))
+    with pytest.raises(ValueError, match=r"positions\.kv: expected shape \(3, 16\)"):
+        bad = Positions(None, jnp.zeros((B, 32), jnp.int32))
+        _decode_in_map(q, k, v, seq_axis="x", positions=bad)
+    with pytest.raises(ValueError, match=r"positions\.q: expected shape \(3, 2\)"):
+        _decode_in_map(
+            q, k, v, seq_axis="x", positions=Positions(jnp.zeros((B, 1), jnp.int32), None)
+        )
+    with pytest.raises(ValueError, match="v: expected the shape of k"):
+        _decode_in_map(q, k, v[:, :16], seq_axis="x")
+    with pytest.raises(ValueError, match="window: expected an int >= 1"):
+        _decode_in_map(q, k, v, seq_axis="x", window=-1)

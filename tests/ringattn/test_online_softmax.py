@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from ringattn import (
+    AttentionOutput,
+    Positions,
     attention_reference,
     finalize_online_softmax,
     init_online_softmax,
@@ -25,25 +27,27 @@ def _qkv(S=12, seed=0):
 
 def _partial(q, k, v, idx):
     return attention_reference(
-        q, k[:, idx], v[:, idx], return_lse=True, kv_positions=jnp.asarray(idx)[None].repeat(2, 0)
+        q, k[:, idx], v[:, idx], positions=Positions(None, jnp.asarray(idx)[None].repeat(2, 0))
     )
 
 
 def test_merge_of_disjoint_key_sets_is_exact_and_associative():
     q, k, v = _qkv()
-    want, want_lse = attention_reference(q, k, v, return_lse=True)
+    want, want_lse = attention_reference(q, k, v)
     parts = [_partial(q, k, v, idx) for idx in (np.arange(0, 3), np.arange(3, 9), np.arange(9, 12))]
     left = merge_attention(*merge_attention(*parts[0], *parts[1]), *parts[2])
     right = merge_attention(*parts[0], *merge_attention(*parts[1], *parts[2]))
     swapped = merge_attention(*parts[2], *merge_attention(*parts[1], *parts[0]))
-    for out, lse in (left, right, swapped):
+    for merged in (left, right, swapped):
+        assert isinstance(merged, AttentionOutput)
+        out, lse = merged
         assert_close(out, want, dtype=jnp.float32)
         assert_close(lse, want_lse, dtype=jnp.float32)
 
 
 def test_empty_side_is_identity_and_both_empty_is_finite():
     q, k, v = _qkv()
-    out, lse = attention_reference(q, k, v, return_lse=True)
+    out, lse = attention_reference(q, k, v)
     empty_out, empty_lse = jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf)
     for merged in (
         merge_attention(out, lse, empty_out, empty_lse),
@@ -71,7 +75,7 @@ def test_merge_gradients_match_joint_attention():
         return jnp.sum(out * jnp.sin(out)) + jnp.sum(lse)
 
     def joint_loss(q, k, v):
-        out, lse = attention_reference(q, k, v, return_lse=True)
+        out, lse = attention_reference(q, k, v)
         return jnp.sum(out * jnp.sin(out)) + jnp.sum(lse)
 
     for g, w in zip(
@@ -93,11 +97,12 @@ def test_merge_keeps_dtype():
 @pytest.mark.parametrize(
     ("shapes", "match"),
     [
-        (((1, 3, 2, 4), (1, 3, 2), (1, 3, 2, 5), (1, 3, 2)), "out_a shape"),
-        (((1, 3, 2, 4), (1, 3, 2), (1, 3, 2, 4), (1, 3, 1)), "lse_a shape"),
+        (((1, 3, 2, 4), (1, 3, 2), (1, 3, 2, 5), (1, 3, 2)), "out_b: expected the shape of out_a"),
+        (((1, 3, 2, 4), (1, 3, 2), (1, 3, 2, 4), (1, 3, 1)), "lse_b: expected the shape of lse_a"),
         (((1, 3, 2, 4), (1, 3, 4), (1, 3, 2, 4), (1, 3, 4)), "without its last"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_merge_errors(shapes, match):
     with pytest.raises(ValueError, match=match):
         merge_attention(*(jnp.zeros(s) for s in shapes))
@@ -121,5 +126,5 @@ def test_online_softmax_blocks_equal_dense_softmax():
         want = np.nan_to_num((p / p.sum(-1, keepdims=True)) @ v)
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
     assert np.isneginf(np.asarray(lse)[1, 2]) and not np.asarray(out)[1, 2].any()
-    with pytest.raises(ValueError, match="init_online_softmax"):
+    with pytest.raises(ValueError, match=r"init_online_softmax: shape\[1\]: expected an int >= 0"):
         init_online_softmax((3, -1), 6)

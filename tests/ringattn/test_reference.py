@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ringattn import attention_mask, attention_reference
+from ringattn import Positions, SegmentIds, attention_mask, attention_reference
 
 
 def _naive(q, k, v, *, causal, window, qpos, kpos, qseg, kseg, softcap, scale):
@@ -80,11 +80,8 @@ def test_reference_matches_naive_loop(kw):
         window=kw["window"],
         softcap=kw["softcap"],
         scale=0.5,
-        q_positions=qpos,
-        kv_positions=kpos,
-        q_segment_ids=qseg,
-        kv_segment_ids=kseg,
-        return_lse=True,
+        positions=Positions(qpos, kpos),
+        segment_ids=None if qseg is None else SegmentIds(qseg, kseg),
     )
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-5)

@@ -1,7 +1,7 @@
 """Ring attention per shard against the dense float32 reference on the global sequence.
 
 Every case builds global ``q, k, v`` (and segment ids), permutes them with ``to_layout``,
-runs ``ring_attention`` per shard under ``jax.shard_map(check_vma=True)`` inside ``jit``,
+runs ``ring_attention_per_shard`` under ``jax.shard_map(check_vma=True)`` inside ``jit``,
 un-permutes, and compares the output, the log-sum-exp and the gradients of a scalar loss
 (which also flows through ``lse``) with ``attention_reference``. One ``jit`` per case computes
 the output and all gradients, to keep compiles few.
@@ -18,11 +18,21 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringattn import BlockSizes, attention_reference
-from ringattn._blockwise import _Summaries, make_kernel_config
-from ringattn._layout import from_layout, shard_positions, to_layout
-from ringattn._mask import MaskSpec
-from ringattn._ring import _layout_block_sizes, ring_attention
+from ringattn import (
+    AttentionOutput,
+    BlockSizes,
+    MaskSpec,
+    Positions,
+    SegmentIds,
+    attention_reference,
+    from_layout,
+    ring_attention_per_shard,
+    shard_positions,
+    to_layout,
+)
+from ringattn._blocks import Summaries
+from ringattn._heads_major import make_kernel_config
+from ringattn._ring import _layout_block_sizes
 from tests._util import assert_close, make_test_mesh
 
 LOCAL = 8  # tokens per shard; blocks of 4 give several blocks per shard and per zigzag chunk
@@ -102,7 +112,7 @@ def _value_and_grad(attend, dout, dlse, with_lse: bool):
             finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
             total = jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(finite * dlse)
             return total, (out, lse)
-        out = attend(q, k, v)
+        out = attend(q, k, v).out
         return jnp.sum(out.astype(jnp.float32) * dout), (out, None)
 
     def run(q, k, v):
@@ -118,10 +128,9 @@ def _ring_attend(case: Case, mesh, specs, seg, q_seg):
     to = functools.partial(to_layout, layout=case.layout, num_shards=n)
     back = functools.partial(from_layout, layout=case.layout, num_shards=n)
     per_shard = functools.partial(
-        ring_attention,
-        axis_name="seq",
+        ring_attention_per_shard,
+        seq_axis="seq",
         layout=case.layout,
-        return_lse=case.lse,
         block_sizes=BLOCKS,
         **_mask_kwargs(case),
     )
@@ -129,16 +138,16 @@ def _ring_attend(case: Case, mesh, specs, seg, q_seg):
     def body(q, k, v, *ids):
         kw = {}
         if seg is not None:
-            kw.update(q_segment_ids=ids[0], kv_segment_ids=ids[1])
+            kw.update(segment_ids=SegmentIds(ids[0], ids[1]))
             ids = ids[2:]
         if ids:
-            kw.update(q_positions=ids[0], kv_positions=ids[1])
-        return per_shard(q, k, v, **kw)
+            kw.update(positions=Positions(ids[0], ids[1]))
+        return tuple(per_shard(q, k, v, **kw))
 
     q_spec, kv_spec, id_spec = specs
     n_ids = (2 if seg is not None else 0) + (2 if case.positions else 0)
     in_specs = (q_spec, kv_spec, kv_spec) + (id_spec,) * n_ids
-    out_specs = (q_spec, q_spec) if case.lse else q_spec
+    out_specs = (q_spec, q_spec)
     sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
     def attend(q, k, v):
@@ -154,11 +163,9 @@ def _ring_attend(case: Case, mesh, specs, seg, q_seg):
                 for x, spec in zip(args, in_specs, strict=True)
             ]
         outs = sharded(*args)
-        outs = outs if case.lse else (outs,)
         if explicit:
             outs = [jax.sharding.reshard(x, NamedSharding(mesh, P())) for x in outs]
-        outs = [back(x) for x in outs]
-        return tuple(outs) if case.lse else outs[0]
+        return AttentionOutput(*(back(x) for x in outs))
 
     return attend
 
@@ -174,9 +181,7 @@ def _run(case: Case, mesh, specs, q, k, v, seg, dout, dlse, *, q_seg=None):
     ring = _value_and_grad(_ring_attend(case, mesh, specs, seg, q_seg), dout, dlse, case.lse)
     reference = functools.partial(
         attention_reference,
-        q_segment_ids=q_seg,
-        kv_segment_ids=seg,
-        return_lse=case.lse,
+        segment_ids=None if seg is None else SegmentIds(q_seg, seg),
         **_mask_kwargs(case),
     )
     reference = _value_and_grad(reference, dout, dlse, case.lse)
@@ -262,7 +267,7 @@ def _live_block_pairs(layout: str, n: int, local: int, sizes=None) -> np.ndarray
         for t in range(n):
             q_pos = shard_positions(layout, i, n, local)[None]
             kv_pos = shard_positions(layout, (i - t) % n, n, local)[None]
-            summaries = _Summaries(q_pos, kv_pos, None, None, block, block)
+            summaries = Summaries(q_pos, kv_pos, None, None, block, block)
             live[i, t] = int(np.sum(np.asarray(summaries.kind(cfg, rows, cols)) != 0))
     return live
 
@@ -285,9 +290,15 @@ def test_zigzag_hops_compute_half_the_blocks():
 def _program(n: int, *, grad: bool = False, **kwargs):
     """``(jaxpr, lowered StableHLO text)`` of the sharded ring (or its gradient) on ``n``."""
     mesh = make_test_mesh((n,), ("seq",))
-    per_shard = functools.partial(ring_attention, axis_name="seq", block_sizes=BLOCKS, **kwargs)
+    per_shard = functools.partial(
+        ring_attention_per_shard, seq_axis="seq", block_sizes=BLOCKS, **kwargs
+    )
     sharded = jax.shard_map(
-        per_shard, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), check_vma=True
+        lambda q, k, v: per_shard(q, k, v).out,
+        mesh=mesh,
+        in_specs=P(None, "seq"),
+        out_specs=P(None, "seq"),
+        check_vma=True,
     )
     f = sharded
     if grad:
@@ -376,9 +387,13 @@ def test_window_skipping_needs_default_positions_and_causal():
 
 def _call_in_shard_map(q, k, v, n: int = 2, **kwargs):
     mesh = make_test_mesh((n,), ("seq",))
-    f = functools.partial(ring_attention, **{"axis_name": "seq", **kwargs})
+    f = functools.partial(ring_attention_per_shard, **{"seq_axis": "seq", **kwargs})
     sharded = jax.shard_map(
-        f, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), check_vma=True
+        lambda q, k, v: f(q, k, v).out,
+        mesh=mesh,
+        in_specs=P(None, "seq"),
+        out_specs=P(None, "seq"),
+        check_vma=True,
     )
     return jax.jit(sharded).lower(q, k, v)  # the checks run at trace time
 
@@ -388,21 +403,23 @@ def _call_in_shard_map(q, k, v, n: int = 2, **kwargs):
     [
         ((1, 8, 4, 8), (1, 8, 3, 8), {}, "multiple of kv heads"),
         ((1, 8, 4, 8), (1, 8, 2, 4), {}, "head dim"),
-        ((1, 8, 4, 8), (1, 8, 2, 8), {"layout": "diagonal"}, "layout must be one of"),
-        ((1, 6, 4, 8), (1, 6, 2, 8), {"layout": "zigzag"}, "must be even"),
-        ((1, 8, 4, 8), (1, 8, 2, 8), {"block_sizes": (4, 4)}, "block_sizes must be a"),
+        ((1, 8, 4, 8), (1, 8, 2, 8), {"layout": "diagonal"}, "layout: expected one of"),
+        ((1, 6, 4, 8), (1, 6, 2, 8), {"layout": "zigzag"}, "expected even local lengths"),
+        ((1, 8, 4, 8), (1, 8, 2, 8), {"block_sizes": (4, 4)}, "block_sizes: expected a"),
         ((1, 8, 4, 8), (1, 8, 2, 8), {"window": 0}, "window"),
         ((1, 8, 4, 8), (1, 8, 2, 8), {"softcap": -1.0}, "softcap"),
         ((1, 8, 4, 8), (1, 8, 2, 8), {"scale": float("nan")}, "scale"),
-        ((1, 8, 4, 8), (1, 8, 2, 8), {"axis_name": "nope"}, "not a bound mesh axis"),
+        ((1, 8, 4, 8), (1, 8, 2, 8), {"seq_axis": "nope"}, "seq_axis: expected a mesh axis bound"),
     ],
 )
+@pytest.mark.no_typecheck
 def test_ring_errors(q_shape, kv_shape, kwargs, match):
     kv = jnp.zeros(kv_shape)
     with pytest.raises(ValueError, match=match):
         _call_in_shard_map(jnp.zeros(q_shape), kv, kv, **kwargs)
 
 
+@pytest.mark.no_typecheck
 def test_ring_errors_on_ids():
     q = jnp.zeros((1, 8, 4, 8))
     kv = jnp.zeros((1, 8, 2, 8))
@@ -410,18 +427,19 @@ def test_ring_errors_on_ids():
     mesh = make_test_mesh((2,), ("seq",))
 
     def run(body, *args):
-        sharded = jax.shard_map(body, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+        sharded = jax.shard_map(
+            lambda *a: body(*a).out, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq")
+        )
         jax.jit(sharded).lower(q, kv, kv, *args)
 
-    with pytest.raises(ValueError, match="given together"):
-        run(lambda q, k, v, s: ring_attention(q, k, v, axis_name="seq", q_segment_ids=s), seg)
-    with pytest.raises(ValueError, match="q_positions must have shape"):
-        run(lambda q, k, v, s: ring_attention(q, k, v, axis_name="seq", q_positions=s[:, :2]), seg)
-    with pytest.raises(ValueError, match="kv_positions must be an integer"):
+    ring = functools.partial(ring_attention_per_shard, seq_axis="seq")
+    with pytest.raises(ValueError, match=r"segment_ids: expected a ringattn\.SegmentIds"):
+        run(lambda q, k, v, s: ring(q, k, v, segment_ids=(s, s)), seg)
+    with pytest.raises(ValueError, match=r"positions.q: expected shape \(1, 4\)"):
+        run(lambda q, k, v, s: ring(q, k, v, positions=Positions(s[:, :2], None)), seg)
+    with pytest.raises(ValueError, match=r"positions\.kv: expected an integer array"):
         run(
-            lambda q, k, v, s: ring_attention(
-                q, k, v, axis_name="seq", kv_positions=s.astype(jnp.float32)
-            ),
+            lambda q, k, v, s: ring(q, k, v, positions=Positions(None, s.astype(jnp.float32))),
             seg,
         )
 
@@ -429,5 +447,5 @@ def test_ring_errors_on_ids():
 def test_ring_outside_shard_map():
     q = jnp.zeros((1, 8, 4, 8))
     kv = jnp.zeros((1, 8, 2, 8))
-    with pytest.raises(ValueError, match="not a bound mesh axis"):
-        ring_attention(q, kv, kv, axis_name="seq")
+    with pytest.raises(ValueError, match=r"seq_axis: expected a mesh axis bound by jax\.shard_map"):
+        ring_attention_per_shard(q, kv, kv, seq_axis="seq")

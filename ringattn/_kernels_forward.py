@@ -1,0 +1,129 @@
+"""The heads-major blockwise forward kernel (an online softmax over key blocks, in place).
+
+The kernels read queries as ``q [B, Tp, K, G, H]`` (a free reshape of ``[B, T, N, H]``, so no
+transposed copy of the queries is made) and keys and values heads-major, ``k, v [B, K, Sp, H]``;
+each query block is transposed to ``[B, K, G, bq, H]`` on the fly, so each block product is
+one batched matmul over ``(B, K)`` with the ``G`` query heads of a group stacked as rows.
+Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
+loop), and :func:`update_forward_heads_major` folds further key sets (ring hops) into the
+same state. Block pairs are classified by :mod:`ringattn._blocks`.
+"""
+
+import functools
+
+from jax import lax
+
+from ringattn._batching import fold_vmap
+from ringattn._blocks import (
+    KernelConfig,
+    Summaries,
+    apply_mask,
+    block_mask,
+    dslice,
+    hide_keys,
+    logits,
+    q_block,
+)
+from ringattn._online_softmax import (
+    OnlineSoftmax,
+    finalize_online_softmax,
+    init_online_softmax,
+    update_online_softmax,
+)
+from ringattn._varying import cast_varying, varying_axes
+
+
+def init_forward_state(qg) -> OnlineSoftmax:
+    """An empty float32 online-softmax state for ``qg [B, Tp, K, G, H]``, varying like ``qg``.
+
+    Fields (heads-major): ``acc [B, K, G, Tp, H]``, ``m`` and ``l`` ``[B, K, G, Tp]``.
+    """
+    B, Tp, K, G, H = qg.shape
+    state = init_online_softmax((B, K, G, Tp), H)
+    return cast_varying(state, varying_axes(qg))
+
+
+def update_forward_heads_major(
+    state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig
+) -> OnlineSoftmax:
+    """:func:`_update_forward`, with ``vmap`` folded into the batch axis (so it still skips)."""
+    kernel = fold_vmap(functools.partial(_update_forward, cfg=cfg))
+    return kernel(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def _update_forward(
+    state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig
+) -> OnlineSoftmax:
+    """Folds one key/value set into a running online-softmax state, block by block, in place.
+
+    Args:
+      state: from :func:`init_forward_state` or a previous update (earlier key sets).
+      qg: ``[B, Tp, K, G, H]`` queries in row-major order; ``Tp % cfg.block_q == 0``.
+      kh, vh: ``[B, K, Sp, H]``; ``Sp % cfg.block_kv == 0``.
+      q_pos, q_seg: ``[B, Tp]`` int32 (``q_seg`` may be None).
+      kv_pos, kv_seg: ``[B, Sp]`` int32 (``kv_seg`` may be None).
+
+    Returns:
+      The state over all key sets so far. Each query block's rows are read, updated over the
+      key blocks and written back with ``dynamic_update_slice`` (no stacked per-block output).
+    """
+    B, Tp, K, G, H = qg.shape
+    Sp = kh.shape[2]
+    bq, bk = cfg.block_q, cfg.block_kv
+    nq, nk = Tp // bq, Sp // bk
+    summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk)
+
+    def one_q_block(i, state: OnlineSoftmax):
+        q_blk = q_block(qg, i, bq)  # [B, K, G, bq, H]
+        qp = dslice(q_pos, i * bq, bq, 1)
+        qs = None if q_seg is None else dslice(q_seg, i * bq, bq, 1)
+
+        def visit(j, st: OnlineSoftmax, masked: bool):
+            k_blk = dslice(kh, j * bk, bk, 2)  # [B, K, bk, H]
+            v_blk = dslice(vh, j * bk, bk, 2)
+            if masked:
+                kp = dslice(kv_pos, j * bk, bk, 1)
+                ks = None if kv_seg is None else dslice(kv_seg, j * bk, bk, 1)
+                mask = block_mask(cfg, K, G, qp, kp, qs, ks, j * bk)
+                k_blk, v_blk = hide_keys(mask, k_blk, v_blk)
+                s = apply_mask(logits(cfg, q_blk, k_blk)[0], mask)
+            else:
+                s = logits(cfg, q_blk, k_blk)[0]
+            s = s.reshape(B, K, G * bq, bk)
+            return update_online_softmax(st, s, v_blk)
+
+        def step(j, st):
+            return lax.switch(
+                summ.kind(cfg, i, j),
+                [lambda st: st, lambda st: visit(j, st, False), lambda st: visit(j, st, True)],
+                st,
+            )
+
+        block = OnlineSoftmax(
+            acc=dslice(state.acc, i * bq, bq, 3).reshape(B, K, G * bq, H),
+            m=dslice(state.m, i * bq, bq, 3).reshape(B, K, G * bq),
+            l=dslice(state.l, i * bq, bq, 3).reshape(B, K, G * bq),
+        )
+        block = lax.fori_loop(0, nk, step, block)
+        return OnlineSoftmax(
+            acc=lax.dynamic_update_slice_in_dim(
+                state.acc, block.acc.reshape(B, K, G, bq, H), i * bq, 3
+            ),
+            m=lax.dynamic_update_slice_in_dim(state.m, block.m.reshape(B, K, G, bq), i * bq, 3),
+            l=lax.dynamic_update_slice_in_dim(state.l, block.l.reshape(B, K, G, bq), i * bq, 3),
+        )
+
+    axes = varying_axes(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg)
+    return lax.fori_loop(0, nq, one_q_block, cast_varying(state, axes))
+
+
+def forward_heads_major(qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig):
+    """Blockwise forward on padded arrays (heads-major keys, values and results).
+
+    Returns:
+      ``out [B, K, G, Tp, H]`` float32 and ``lse [B, K, G, Tp]`` float32.
+    """
+    state = update_forward_heads_major(
+        init_forward_state(qg), qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg
+    )
+    return finalize_online_softmax(state)

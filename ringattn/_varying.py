@@ -1,0 +1,62 @@
+"""The one varying-axes helper for code inside ``jax.shard_map(check_vma=True)``.
+
+Under ``check_vma=True`` every value inside ``shard_map`` carries the set of manual mesh axes
+it varies along; loop carries, ``switch`` branches and a ``custom_vjp``'s cotangents must
+agree on it. :func:`match_varying` casts arrays to the union of their varying axes (the
+transpose of that cast is the ``psum`` a replicated input's gradient needs). Outside
+``shard_map`` everything is a no-op. This is the only place that reads the varying axes
+from JAX's abstract values.
+"""
+
+import jax
+from jax import lax
+
+__all__ = ["cast_varying", "match_varying", "varying_axes"]
+
+
+def _axes_of(x) -> frozenset:
+    aval = jax.typeof(x)
+    for attr in ("mat", "manual_axis_type"):  # JAX 0.10: ManualAxisType(varying=...)
+        mat = getattr(aval, attr, None)
+        if mat is not None:
+            return frozenset(getattr(mat, "varying", None) or ())
+    return frozenset(getattr(aval, "vma", None) or ())  # earlier JAX
+
+
+def varying_axes(*xs) -> frozenset:
+    """Manual mesh axes along which any array of the pytrees ``xs`` varies (``None`` ok)."""
+    axes = frozenset()
+    for leaf in jax.tree.leaves(xs):
+        axes |= _axes_of(leaf)
+    return axes
+
+
+def cast_varying(tree, axes: frozenset):
+    """``pcast`` every leaf of ``tree`` to vary along ``axes`` (no-op where it already does)."""
+
+    def one(x):
+        missing = tuple(sorted(axes - _axes_of(x), key=str))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
+def match_varying(*xs):
+    """Casts every array (or pytree) to vary along the union of the varying axes of all.
+
+    Use inside ``jax.shard_map(check_vma=True)`` before combining a replicated array (a
+    decode query, a sink logit) with a sharded one in a loop, a ``switch`` or a
+    ``custom_vjp``. ``None`` entries pass through. Outside ``shard_map`` it returns its inputs.
+
+    Args:
+      *xs: arrays or pytrees of arrays.
+
+    Returns:
+      A tuple of the inputs, cast (always a tuple, also for one input).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> a, b = match_varying(jnp.ones(2), jnp.zeros(2))  # outside shard_map: unchanged
+    """
+    axes = varying_axes(*xs)
+    return tuple(cast_varying(x, axes) for x in xs)
