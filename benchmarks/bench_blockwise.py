@@ -56,14 +56,14 @@ def main(argv=None):
 
     paths = {
         "blockwise": lambda causal: (
-            lambda q, k, v: blockwise_attention(q, k, v, causal=causal, block_sizes=blocks)
+            lambda q, k, v: blockwise_attention(q, k, v, causal=causal, block_sizes=blocks).out
         ),
         "xla": lambda causal: (
             lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=causal, implementation="xla"
             )
         ),
-        "reference": lambda causal: lambda q, k, v: attention_reference(q, k, v, causal=causal),
+        "reference": lambda causal: lambda q, k, v: attention_reference(q, k, v, causal=causal).out,
     }
     rows = []
     for L in lengths:

@@ -24,16 +24,10 @@ import numpy as np
 
 from benchmarks import _common
 from offload import make_host_page_pool, page_in, page_out, prefetch_layer, to_host, wait
+from paged import paged_attention
 from ringattn import merge_attention
 
-try:  # the paged kernel, once paged exports it
-    from paged import paged_attention
-
-    ATTENTION = "paged.paged_attention (two calls, merged with ringattn.merge_attention)"
-except ImportError:  # pragma: no cover - depends on the state of paged
-    paged_attention = None
-    ATTENTION = "contiguous ringattn.blockwise_attention over pages gathered per layer"
-    from ringattn import blockwise_attention
+ATTENTION = "paged.paged_attention (two calls, merged with ringattn.merge_attention)"
 
 MiB = _common.MiB
 
@@ -93,47 +87,21 @@ def bench_throughput(reps: int) -> list[str]:
 # ------------------------------------------------------------------------------------------
 # (b) decode over layers
 # ------------------------------------------------------------------------------------------
-def _make_attend(C: int, K: int, H: int):
-    if paged_attention is not None:
-
-        @jax.jit
-        def attend_paged(q, k_pages, v_pages, table):
-            lengths = jnp.full((1,), table.shape[1] * C, jnp.int32)
-            return paged_attention(
-                q, k_pages, v_pages, table, lengths, causal=False, return_lse=True
-            )
-
-        @jax.jit
-        def attend_all(q, k_pages, v_pages, table):
-            return attend_paged(q, k_pages, v_pages, table)[0]
-
-        @jax.jit
-        def attend_mixed(q, k_dev, v_dev, dev_table, k_cold, v_cold, cold_table):
-            out_a, lse_a = attend_paged(q, k_dev, v_dev, dev_table)
-            out_b, lse_b = attend_paged(q, k_cold, v_cold, cold_table)
-            return merge_attention(out_a, lse_a, out_b, lse_b)[0]
-
-        return attend_all, attend_mixed
-
-    def contiguous(q, k_pages, v_pages, table):
-        k = jnp.take(k_pages, table[0], axis=1)  # [K, n, C, H]
-        v = jnp.take(v_pages, table[0], axis=1)
-        k = k.transpose(1, 2, 0, 3).reshape(1, -1, K, H)  # [1, S, K, H]
-        v = v.transpose(1, 2, 0, 3).reshape(1, -1, K, H)
-        return k, v
+def _make_attend(C: int):
+    @jax.jit
+    def attend_paged(q, k_pages, v_pages, table):
+        lengths = jnp.full((1,), table.shape[1] * C, jnp.int32)
+        return paged_attention(q, k_pages, v_pages, table, lengths, causal=False)
 
     @jax.jit
     def attend_all(q, k_pages, v_pages, table):
-        k, v = contiguous(q, k_pages, v_pages, table)
-        return blockwise_attention(q, k, v)
+        return attend_paged(q, k_pages, v_pages, table).out
 
     @jax.jit
     def attend_mixed(q, k_dev, v_dev, dev_table, k_cold, v_cold, cold_table):
-        k_a, v_a = contiguous(q, k_dev, v_dev, dev_table)
-        k_b, v_b = contiguous(q, k_cold, v_cold, cold_table)
-        return blockwise_attention(
-            q, jnp.concatenate([k_b, k_a], axis=1), jnp.concatenate([v_b, v_a], axis=1)
-        )
+        a = attend_paged(q, k_dev, v_dev, dev_table)
+        b = attend_paged(q, k_cold, v_cold, cold_table)
+        return merge_attention(a.out, a.lse, b.out, b.lse).out
 
     return attend_all, attend_mixed
 
@@ -167,7 +135,7 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
     k_layers = [k_all[layer] for layer in range(L)]
     v_layers = [v_all[layer] for layer in range(L)]
     jax.block_until_ready((k_dev, v_dev, k_layers, v_layers))
-    attend_all, attend_mixed = _make_attend(C, K, H)
+    attend_all, attend_mixed = _make_attend(C)
 
     def all_on_device():
         outs = [attend_all(q, k_layers[l], v_layers[l], full_table) for l in range(L)]

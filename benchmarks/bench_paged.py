@@ -81,7 +81,7 @@ def bench_main(B, S, N, K, H, C, reps, sweep):
     paged_args = (q, k_pages, v_pages, table, lengths)
 
     def paged_fn(ppb):
-        fn = jax.jit(lambda *a: paged_attention(*a, pages_per_block=ppb))
+        fn = jax.jit(lambda *a: paged_attention(*a, pages_per_block=ppb).out)
         return lambda: fn(*paged_args)
 
     tuning = interleaved({ppb: paged_fn(ppb) for ppb in sweep}, max(2, reps // 2))
@@ -123,7 +123,7 @@ def bench_reference(B, S, N, K, H, C, reps):
     flat_q = jnp.asarray(q[:, 0])
     kv = jnp.asarray(kv)
     args = [jnp.asarray(x) for x in (q, k_pages, v_pages, table, lengths)]
-    fn = jax.jit(lambda *a: paged_attention(*a))
+    fn = jax.jit(lambda *a: paged_attention(*a).out)
     times = interleaved({"ref": lambda: ref(flat_q, kv), "paged": lambda: fn(*args)}, reps)
     t_ref, t_paged = times["ref"], times["paged"]
     err = float(jnp.max(jnp.abs(fn(*args)[:, 0] - ref(flat_q, kv))))

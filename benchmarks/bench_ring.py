@@ -60,7 +60,7 @@ def make_fns(strategy, layout, causal, K):
     def fwd(q, k, v):
         return sharded_attention(
             q, k, v, mesh=mesh, seq_axis=seq_axis, strategy=strategy, layout=layout, causal=causal
-        )
+        ).out
 
     def fwd_bwd(q, k, v):
         out, vjp = jax.vjp(fwd, q, k, v)

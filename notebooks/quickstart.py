@@ -61,6 +61,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import time
+from functools import partial
 
 import jax.numpy as jnp
 import numpy as np
@@ -75,7 +76,9 @@ print("devices:", len(jax.devices()), jax.devices()[0].platform, "| jax", jax.__
 #
 # `blockwise_attention` is exact: an online softmax over blocks that never builds the `T x S`
 # matrix, skips blocks the mask hides, and has a memory-linear custom VJP. Every fast path is
-# checked against the dense float32 `attention_reference`.
+# checked against the dense float32 `attention_reference`. Every attention function returns an
+# `AttentionOutput(out, lse)`; options such as `causal` are static, so bind them with
+# `functools.partial` before `jax.jit`.
 
 # %%
 B, T, N, K, H = 1, (512 if SMALL else 4096), 8, 2, 64  # GQA: 8 query heads share 2 kv heads
@@ -84,17 +87,17 @@ q = jax.random.normal(kq, (B, T, N, H))
 k = jax.random.normal(kk, (B, T, K, H))
 v = jax.random.normal(kv, (B, T, K, H))
 
-fast = jax.jit(lambda q, k, v: ringattn.blockwise_attention(q, k, v, causal=True))
-out = fast(q, k, v).block_until_ready()
+fast = jax.jit(partial(ringattn.blockwise_attention, causal=True))
+jax.block_until_ready(fast(q, k, v))  # compile
 start = time.perf_counter()
-out = fast(q, k, v).block_until_ready()
+result = jax.block_until_ready(fast(q, k, v))  # AttentionOutput: out [B, T, N, H], lse [B, T, N]
 elapsed = time.perf_counter() - start
 want = ringattn.attention_reference(q, k, v, causal=True)
-err_fwd = float(jnp.max(jnp.abs(out - want)))
+err_fwd = float(jnp.max(jnp.abs(result.out - want.out)))
 
 
 def loss(fn):
-    return lambda q, k, v: jnp.sum(fn(q, k, v, causal=True) ** 2)
+    return lambda q, k, v: jnp.sum(fn(q, k, v, causal=True).out ** 2)
 
 
 grads = jax.jit(jax.grad(loss(ringattn.blockwise_attention), argnums=(0, 1, 2)))(q, k, v)
@@ -111,16 +114,15 @@ assert err_fwd < 1e-5 and err_grad < 1e-4
 
 # %%
 half = T // 2
-o1, l1 = ringattn.blockwise_attention(q, k[:, :half], v[:, :half], return_lse=True)
-o2, l2 = ringattn.blockwise_attention(
+first = ringattn.blockwise_attention(q, k[:, :half], v[:, :half])
+second = ringattn.blockwise_attention(
     q,
     k[:, half:],
     v[:, half:],
-    return_lse=True,
-    kv_positions=jnp.arange(half, T, dtype=jnp.int32)[None],
+    positions=ringattn.Positions(q=None, kv=jnp.arange(half, T, dtype=jnp.int32)[None]),
 )
-merged, _ = ringattn.merge_attention(o1, l1, o2, l2)
-err_merge = float(jnp.max(jnp.abs(merged - ringattn.attention_reference(q, k, v))))
+merged = ringattn.merge_attention(first.out, first.lse, second.out, second.lse)
+err_merge = float(jnp.max(jnp.abs(merged.out - ringattn.attention_reference(q, k, v).out)))
 print(f"merge of two halves vs full attention: max |err| {err_merge:.1e}")
 assert err_merge < 1e-5
 
@@ -132,8 +134,6 @@ assert err_merge < 1e-5
 # and `from_layout` undoes it. Only the `K` key/value heads travel the ring.
 
 # %%
-from functools import partial
-
 from jax.sharding import AxisType
 
 mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Explicit,))
@@ -166,9 +166,9 @@ ring = jax.jit(
     )
 )
 zig = partial(ringattn.to_layout, layout="zigzag", num_shards=8)
-out_zig = ring(zig(q_long), zig(k_long), zig(v_long))
+out_zig = ring(zig(q_long), zig(k_long), zig(v_long)).out
 out_ring = ringattn.from_layout(out_zig, "zigzag", num_shards=8)
-single = jax.jit(partial(ringattn.blockwise_attention, causal=True))(q_long, k_long, v_long)
+single = jax.jit(partial(ringattn.blockwise_attention, causal=True))(q_long, k_long, v_long).out
 err_ring = float(jnp.max(jnp.abs(out_ring - single)))
 print(
     f"ring (zigzag, causal) over 8 devices, S={S_LONG}: output sharded as "
@@ -180,7 +180,7 @@ for strategy in ("allgather", "ulysses"):
     other = partial(
         ringattn.sharded_attention, mesh=mesh, seq_axis="seq", strategy=strategy, causal=True
     )
-    err = float(jnp.max(jnp.abs(jax.jit(other)(q_long, k_long, v_long) - single)))
+    err = float(jnp.max(jnp.abs(jax.jit(other)(q_long, k_long, v_long).out - single)))
     print(f"strategy {strategy!r}: max |err| vs one device {err:.1e}")
     assert err < 1e-5
 
@@ -223,11 +223,12 @@ for step in range(DECODE_STEPS):
     # The device's own lengths advance with `append`; the host only added pages.
     cache = paged.with_page_table(cache, alloc.page_table(range(B_DEC)))
     cache = paged.append(cache, k_new[None], v_new[None])
-    out = decode(q_new, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths)
+    out = decode(q_new, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths).out
     k_all = jnp.concatenate([k_all, k_new[:, None]], axis=1)
     v_all = jnp.concatenate([v_all, v_new[:, None]], axis=1)
     pos = jnp.full((B_DEC, 1), S_LONG + step, jnp.int32)
-    want = ringattn.attention_reference(q_new, k_all, v_all, causal=True, q_positions=pos)
+    positions = ringattn.Positions(q=pos, kv=None)  # the new tokens come after the prefill
+    want = ringattn.attention_reference(q_new, k_all, v_all, causal=True, positions=positions).out
     err_paged = max(err_paged, float(jnp.max(jnp.abs(out - want))))
 stats = alloc.stats()
 print(
@@ -257,15 +258,14 @@ def looking_for_heavy_hitters(key):
 
 
 q_obs = looking_for_heavy_hitters(jax.random.key(7))
-_, _, page_mass = paged.paged_attention(
+page_mass = paged.paged_attention(
     q_obs,
     cache.k_pages[0],
     cache.v_pages[0],
     cache.page_table,
     cache.lengths,
-    return_lse=True,
     return_page_mass=True,
-)
+).page_mass  # PagedAttentionOutput(out, lse, page_mass): [B, N, M] mass per page
 state = offload.update_policy_state(
     offload.init_policy_state(B_DEC, M, policy=policy), page_mass, policy=policy
 )
@@ -289,7 +289,7 @@ v_dev = cache.v_pages.at[:, :, cold_ids].set(jnp.nan)
 q_step = looking_for_heavy_hitters(jax.random.key(8))
 full = paged.paged_attention(
     q_step, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths
-)
+).out
 approx = offload.mixed_residency_attention(q_step, k_dev[0], v_dev[0], device_table, cache.lengths)
 staging_k, staging_v = jnp.zeros_like(cache.k_pages), jnp.zeros_like(cache.v_pages)
 cold_k, cold_v = manager.wait(manager.page_in(staging_k, staging_v, cold_ids, request_id="doc"))

@@ -65,10 +65,10 @@ attend = jax.jit(
         causal=True,
     )
 )
-out = attend(global_array(q), global_array(k), global_array(v))  # global, zigzag order
+out = attend(global_array(q), global_array(k), global_array(v)).out  # global, zigzag order
 
 want = zig(
-    ringattn.attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True)
+    ringattn.attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True).out
 )
 err = max(float(np.abs(np.asarray(s.data) - want[s.index]).max()) for s in out.addressable_shards)
 print(
