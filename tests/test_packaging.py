@@ -53,6 +53,18 @@ def test_consumers_use_public_names_only():
             assert not (top in PACKAGES and rest), f"{path.relative_to(ROOT)} imports {module}"
 
 
+def test_tests_use_other_packages_public_names_only():
+    """``tests/<pkg>/`` may reach into ``<pkg>``'s private modules, never another package's."""
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT / "tests")
+        own = rel.parts[0] if len(rel.parts) > 1 and rel.parts[0] in PACKAGES else None
+        for module in _imports(path):
+            top, *rest = module.split(".")
+            assert not (top in PACKAGES and rest and top != own), (
+                f"tests/{rel.as_posix()} imports {module}: use {top}'s public names only"
+            )
+
+
 def test_no_sys_path_hacks_in_consumers():
     """Benchmarks run as ``python -m benchmarks.x`` from the root; nothing edits sys.path."""
     for path in _consumer_sources():
