@@ -4,9 +4,11 @@ Residency is two page tables of the same shape ``[B, M]`` over pools of the same
 ``[K, P, C, H]``: ``device_table`` points into the device pool, ``cold_table`` into the cold
 pool (pages demoted to host or disk and fetched for this step); ``0`` (the null page) means
 "absent from this tier". A slot must be non-zero in at most one table (:func:`split_residency`
-guarantees it). Each part is an ordinary ``paged.paged_attention`` call returning
-``(out, lse)``, and :func:`ringattn.merge_attention` combines them exactly, so with every
-evicted page fetched the result equals full attention; without the cold part it is the
+guarantees it). Each part is an ordinary ``paged.paged_attention`` call (one mask, validated
+once by :func:`ringattn.resolve_mask`) returning ``(out, lse, page_mass)``, and
+:func:`ringattn.merge_attention` combines them exactly; attention sinks join the softmax once,
+after the merge (:func:`ringattn.apply_sinks`), so with every evicted page fetched the result
+equals full attention (sinks included); without the cold part it is the
 retention policy's approximation, and the attention mass it keeps is reported:
 
 * exactly, as ``exp(lse_device - lse_full)`` when the cold part is given
@@ -17,12 +19,13 @@ retention policy's approximation, and the attention mass it keeps is reported:
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+import ringattn
 from offload._attention_mass import mass_kept_from_lse
 from offload._checks import check_array, check_lengths, check_table
 from paged import paged_attention
-from ringattn import merge_attention
 
 __all__ = ["MixedAttention", "mixed_residency_attention", "split_residency"]
 
@@ -92,18 +95,20 @@ def mixed_residency_attention(
     q: Float[Array, "B T N H"],
     k_pages: Float[Array, "K P C H"],
     v_pages: Float[Array, "K P C H"],
-    device_table: Int[Array, "B M"],
-    lengths: Int[Array, " B"],
+    device_table: Int[Array | np.ndarray, "B M"],
+    lengths: Int[Array | np.ndarray, " B"],
     *,
-    cold_table: Int[Array, "B M"] | None = None,
+    cold_table: Int[Array | np.ndarray, "B M"] | None = None,
     cold_k_pages: Float[Array, "K P C H"] | None = None,
     cold_v_pages: Float[Array, "K P C H"] | None = None,
-    q_positions: Int[Array, "B T"] | None = None,
-    causal: bool = True,
-    window: int | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-    return_page_mass: bool = False,
+    q_positions: Int[Array | np.ndarray, "B T"] | None = None,
+    mask: ringattn.MaskSpec | None = None,
+    causal: bool | np.bool_ | None = None,
+    window: int | np.integer | tuple[int | np.integer | None, ...] | None = None,
+    softcap: float | int | np.floating | np.integer | None = None,
+    scale: float | int | np.floating | np.integer | None = None,
+    sinks: Float[Array, " N"] | None = None,
+    return_page_mass: bool | np.bool_ = False,
 ) -> MixedAttention:
     """Attention over device-resident pages, merged with cold pages fetched for this step.
 
@@ -128,22 +133,29 @@ def mixed_residency_attention(
         ``k_pages`` (both tiers simulated in one pool).
       cold_v_pages: ``[K, P, C, H]`` cold value pool; given together with ``cold_k_pages``.
       q_positions: ``[B, T]`` int, default ``lengths - T + arange(T)`` (the last tokens).
-      causal: a query at position ``p`` sees keys at positions ``<= p``.
-      window: sliding window (hide keys at positions ``<= p - window``).
+      mask: a :class:`ringattn.MaskSpec` (then none of the four keywords below), validated
+        by :func:`ringattn.resolve_mask` as in ``paged.paged_attention``.
+      causal: a query at position ``p`` sees keys at positions ``<= p`` (default True).
+      window: sliding window (hide keys at positions ``<= p - window``); a tuple gives one
+        window per query head.
       softcap: logits become ``softcap * tanh(logits / softcap)``.
       scale: logit scale, default ``1 / sqrt(H)``.
+      sinks: ``[N]`` float per-query-head sink logit joining the softmax **once**, after the
+        device and cold parts are merged (:func:`ringattn.apply_sinks`), or None.
       return_page_mass: also return the ``[B, N, M]`` page mass (a slot's mass comes from
-        whichever tier holds it).
+        whichever tier holds it; a sink's share goes to no slot).
 
     Returns:
-      :class:`MixedAttention` ``(out, lse, mass_kept, page_mass)``; ``mass_kept`` is None
-      without a ``cold_table``, ``page_mass`` None unless asked. Rows that see no key:
-      ``out = 0``, ``lse = -inf``, ``mass_kept = 1``. Forward only: ``paged.paged_attention``
-      has no reverse-mode derivative (decode needs none).
+      :class:`MixedAttention` ``(out, lse, mass_kept, page_mass)``; ``lse`` includes the
+      sink; ``mass_kept`` (the fraction of the keys' mass on device pages, sink excluded) is
+      None without a ``cold_table``, ``page_mass`` None unless asked. Rows that see no key:
+      ``out = 0``, ``lse = -inf`` (the sink with sinks), ``mass_kept = 1``. Forward only:
+      ``paged.paged_attention`` has no reverse-mode derivative (decode needs none).
 
     Raises:
       ValueError: on inconsistent shapes or dtypes (pools in ``q``'s dtype), cold pools without
-        a ``cold_table``, or only one of ``cold_k_pages``/``cold_v_pages``.
+        a ``cold_table``, only one of ``cold_k_pages``/``cold_v_pages``, ``sinks`` not a
+        float ``[N]``, or bad mask options (``mask`` together with the keywords included).
       NotImplementedError: ``return_page_mass`` with a cold part and ``T > 1``.
 
     Example:
@@ -212,32 +224,46 @@ def mixed_residency_attention(
             f"rescaled by its own lse before the sum over queries), got T={T}"
         )
 
-    def part(kp, vp, table):
-        res = paged_attention(
+    spec = ringattn.resolve_mask(
+        fn, mask, causal=causal, window=window, softcap=softcap, scale=scale, default_causal=True
+    )
+    if sinks is not None:
+        check_array(fn, "sinks", sinks, ndim=1, kind=jnp.floating, layout=f"[N={N}]")
+        if sinks.shape != (N,):
+            raise ValueError(f"{fn}: sinks: expected shape ({N},), got {tuple(sinks.shape)}")
+    return_page_mass = bool(return_page_mass)
+
+    def part(kp, vp, table, part_sinks):
+        return paged_attention(
             q,
             kp,
             vp,
             table,
             lengths,
             q_positions=q_positions,
-            causal=causal,
-            window=window,
-            softcap=softcap,
-            scale=scale,
-            return_lse=True,
+            mask=spec,
+            sinks=part_sinks,
             return_page_mass=return_page_mass,
         )
-        return res if return_page_mass else (*res, None)
 
-    out, lse, mass = part(k_pages, v_pages, device_table)
-    if cold_table is None:
-        return MixedAttention(out=out, lse=lse, mass_kept=None, page_mass=mass)
-    out_c, lse_c, mass_c = part(cold_k_pages, cold_v_pages, cold_table)
-    out_all, lse_all = merge_attention(out, lse, out_c, lse_c)
-    kept = mass_kept_from_lse(lse, lse_all)  # [B, T, N]
+    if cold_table is None:  # the device part is the whole attention: paged applies the sink
+        dev = part(k_pages, v_pages, device_table, sinks)
+        return MixedAttention(out=dev.out, lse=dev.lse, mass_kept=None, page_mass=dev.page_mass)
+    dev = part(k_pages, v_pages, device_table, None)
+    cold = part(cold_k_pages, cold_v_pages, cold_table, None)
+    merged = ringattn.merge_attention(dev.out, dev.lse, cold.out, cold.lse)
+    kept = mass_kept_from_lse(dev.lse, merged.lse)  # [B, T, N], over the keys
+    # The sink joins the softmax once, after every part is merged.
+    out, lse = ringattn.apply_sinks(merged.out, merged.lse, sinks)
+    mass = None
     if return_page_mass:
-        # T == 1: each part's probabilities are relative to its own lse; rescale to the full.
+        # T == 1: each part's probabilities are relative to its own lse; rescale to the keys'
+        # total, then (with a sink) to the total that includes the sink.
         mass = (
-            mass * kept[:, 0, :, None] + mass_c * mass_kept_from_lse(lse_c, lse_all)[:, 0, :, None]
+            dev.page_mass * kept[:, 0, :, None]
+            + cold.page_mass * mass_kept_from_lse(cold.lse, merged.lse)[:, 0, :, None]
         )
-    return MixedAttention(out=out_all, lse=lse_all, mass_kept=kept, page_mass=mass)
+        if sinks is not None:
+            share = jnp.where(jnp.isneginf(merged.lse), 0.0, jnp.exp(merged.lse - lse))
+            mass = mass * share[:, 0, :, None]
+    return MixedAttention(out=out.astype(q.dtype), lse=lse, mass_kept=kept, page_mass=mass)

@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 
 import numpy as np
-from jaxtyping import Int
+from jaxtyping import Array, Int
 
 from paged._checks import is_int
 from paged._copy import CopyPlan
@@ -192,7 +192,7 @@ class PageAllocator(DeviceHandOver, PoolMetrics):
     def admit(
         self,
         seq: Hashable,
-        token_ids: Int[np.ndarray, " T"] | Sequence[int],
+        token_ids: Int[np.ndarray | Array, " T"] | Sequence[int],
         *,
         salt: str | bytes | None = None,
     ) -> Admission:
@@ -290,7 +290,7 @@ class PageAllocator(DeviceHandOver, PoolMetrics):
         seq: Hashable,
         new_length: IntScalar,
         *,
-        token_ids: Int[np.ndarray, " n"] | Sequence[int] | None = None,
+        token_ids: Int[np.ndarray | Array, " n"] | Sequence[int] | None = None,
     ) -> CopyPlan:
         """Grows a sequence to ``new_length`` tokens, allocating pages as needed.
 

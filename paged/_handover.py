@@ -54,7 +54,7 @@ class DeviceHandOver(PoolState):
         lengths: Int[np.ndarray | Array, " B"] | Sequence[int],
         *,
         unused: Int[np.ndarray | Array, " U"] | Sequence[int] = (),
-        token_ids: Sequence[Sequence[int] | None] | None = None,
+        token_ids: Sequence[Int[np.ndarray | Array, " n"] | Sequence[int] | None] | None = None,
     ) -> None:
         """Takes back the result of a device decode loop (see the class docstring).
 

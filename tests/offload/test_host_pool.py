@@ -140,7 +140,7 @@ def _decode_layer(q, pages_k, pages_v, length):
     """One decode step of attention over ``[K, n, C, H]`` pages holding ``length`` tokens."""
     k = pages_k.transpose(1, 2, 0, 3).reshape(1, -1, K, H)[:, :length]  # [1, S, K, H]
     v = pages_v.transpose(1, 2, 0, 3).reshape(1, -1, K, H)[:, :length]
-    return attention_reference(q, k, v)
+    return attention_reference(q, k, v).out
 
 
 def test_prefetch_decode_loop_matches_all_on_device():

@@ -148,10 +148,9 @@ def test_paged_cache_and_sharded_attention_after_offload():
     q = jnp.asarray(rng.standard_normal((1, 1, 2 * K, H)), jnp.float32)
 
     def attend(kp, vp):
-        res = paged.sharded_paged_attention(
-            q, kp, vp, table, lengths, mesh=mesh, **_axis_kwarg(paged.sharded_paged_attention)
-        )
-        return res[0] if isinstance(res, tuple) else res
+        return paged.sharded_paged_attention(
+            q, kp, vp, table, lengths, mesh=mesh, seq_axis="seq"
+        ).out
 
     expected = attend(k, v)
     host = make_host_page_pool(k, v, SLOTS)
@@ -160,10 +159,3 @@ def test_paged_cache_and_sharded_attention_after_offload():
     host = wait(page_out(k, v, ids, host, slots))
     k_back, v_back = wait(page_in(host, slots, jnp.zeros_like(k), jnp.zeros_like(v), ids))
     assert_close(attend(k_back, v_back), expected, dtype=jnp.float32, what="after offload")
-
-
-def _axis_kwarg(fn):
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    return {"seq_axis": "seq"} if "seq_axis" in params else {"axis_name": "seq"}

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import paged
 from offload import (
     RetentionPolicy,
     init_policy_state,
@@ -18,7 +19,7 @@ from offload import (
     token_attention_mass,
     update_policy_state,
 )
-from ringattn import attention_reference
+from ringattn import MaskSpec, Positions, SegmentIds, attention_reference
 from tests._util import assert_close
 
 B, T, N, K, H, C, M = 5, 1, 4, 2, 8, 4, 6
@@ -44,9 +45,9 @@ def _setup(seed=0, T=T, dtype=jnp.float32):
 
 
 @functools.partial(jax.jit, static_argnames=("window", "softcap"))
-def _reference(q, k, v, lengths, *, keep_tokens=None, window=None, softcap=None):
+def _reference(q, k, v, lengths, *, keep_tokens=None, window=None, softcap=None, sinks=None):
     """attention_reference over the contiguous KV, optionally restricted to kept tokens."""
-    Tq = q.shape[1]
+    B, Tq = q.shape[:2]
     S = k.shape[1]
     valid = jnp.arange(S)[None] < lengths[:, None]
     if keep_tokens is not None:
@@ -56,12 +57,13 @@ def _reference(q, k, v, lengths, *, keep_tokens=None, window=None, softcap=None)
         k,
         v,
         causal=True,
-        q_positions=lengths[:, None] - Tq + jnp.arange(Tq)[None],
-        q_segment_ids=jnp.ones((q.shape[0], Tq), jnp.int32),
-        kv_segment_ids=valid.astype(jnp.int32),
+        positions=Positions(
+            lengths[:, None] - Tq + jnp.arange(Tq)[None], jnp.broadcast_to(jnp.arange(S), (B, S))
+        ),
+        segment_ids=SegmentIds(jnp.ones((B, Tq), jnp.int32), valid.astype(jnp.int32)),
         window=window,
         softcap=softcap,
-        return_lse=True,
+        sinks=sinks,
     )
 
 
@@ -251,3 +253,63 @@ def test_errors():
         mass_kept_from_lse(jnp.zeros(2), jnp.zeros(3))
     with pytest.raises(ValueError, match=r"page_mass: expected \[B, N, M\]"):
         mass_kept_from_page_mass(jnp.zeros((2, 3)), keep)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sinks_join_once_after_the_merge(jit):
+    """With every page fetched and a sink per head, the merge equals the references."""
+    q, k, v, k_pages, v_pages, table, lengths = _setup(7)
+    keep = jnp.asarray(np.random.default_rng(7).random((B, M)) < 0.5)
+    device_table, cold_table = split_residency(table, keep, ~keep)
+    sinks = jnp.asarray(np.random.default_rng(8).standard_normal(N) + 1.0, jnp.float32)
+    fn = functools.partial(mixed_residency_attention, sinks=sinks, return_page_mass=True)
+    fn = jax.jit(fn) if jit else fn
+    res = fn(q, k_pages, v_pages, device_table, lengths, cold_table=cold_table)
+    out_ref, lse_ref = _reference(q, k, v, lengths, sinks=sinks)
+    assert_close(res.out, out_ref, dtype=jnp.float32, what="out vs attention_reference")
+    assert_close(res.lse, lse_ref, dtype=jnp.float32, what="lse (sink included)")
+    paged_ref = paged.paged_attention_reference(q, k_pages, v_pages, table, lengths, sinks=sinks)
+    assert_close(res.out, paged_ref.out, dtype=jnp.float32, what="out vs paged reference")
+    # Rows with no key: lse is the sink itself, out is 0 (the sink holds all the mass).
+    np.testing.assert_allclose(np.asarray(res.lse[0, 0]), np.asarray(sinks), rtol=1e-6)
+    # A sink applied twice (once per part) would differ: it must not match.
+    twice_lse = jnp.logaddexp(res.lse, sinks)
+    assert float(jnp.max(jnp.abs(twice_lse - lse_ref))) > 1e-3
+    # The page mass is that of the full attention with the sink taking its share.
+    full = paged.paged_attention(
+        q, k_pages, v_pages, table, lengths, sinks=sinks, return_page_mass=True
+    )
+    assert_close(res.page_mass, full.page_mass, dtype=jnp.float32, what="page mass with sinks")
+    # The mass kept is over the keys (sink excluded): exact from the keys' lses.
+    _, lse_keys = _reference(q, k, v, lengths)
+    _, lse_dev = _reference(q, k, v, lengths, keep_tokens=jnp.repeat(keep, C, axis=1))
+    live = (np.asarray(lengths) > 0)[:, None, None]
+    assert_close(
+        res.mass_kept,
+        jnp.where(live, jnp.exp(lse_dev - lse_keys), 1.0),
+        dtype=jnp.float32,
+        what="mass kept",
+    )
+
+
+def test_sinks_device_only_and_mask_spec():
+    q, k, v, k_pages, v_pages, table, lengths = _setup(9)
+    sinks = jnp.full((N,), 0.5, jnp.float32)
+    spec = MaskSpec(causal=True, window=6)
+    res = mixed_residency_attention(q, k_pages, v_pages, table, lengths, mask=spec, sinks=sinks)
+    out_ref, lse_ref = _reference(q, k, v, lengths, window=6, sinks=sinks)
+    assert res.mass_kept is None
+    assert_close(res.out, out_ref, dtype=jnp.float32, what="device-only out with sinks")
+    assert_close(res.lse, lse_ref, dtype=jnp.float32, what="device-only lse with sinks")
+
+
+@pytest.mark.no_typecheck
+def test_sinks_and_mask_errors():
+    q, k, v, k_pages, v_pages, table, lengths = _setup()
+    f = mixed_residency_attention
+    with pytest.raises(ValueError, match=r"mixed_residency_attention: sinks: expected shape"):
+        f(q, k_pages, v_pages, table, lengths, sinks=jnp.zeros(N + 1))
+    with pytest.raises(ValueError, match=r"mixed_residency_attention: sinks: expected a floating"):
+        f(q, k_pages, v_pages, table, lengths, sinks=jnp.zeros(N, jnp.int32))
+    with pytest.raises(ValueError, match=r"mixed_residency_attention: "):
+        f(q, k_pages, v_pages, table, lengths, mask=MaskSpec(causal=True), causal=True)

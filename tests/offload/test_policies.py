@@ -19,7 +19,7 @@ from offload import (
     update_policy_state,
     update_policy_state_reference,
 )
-from ringattn import attention_reference
+from ringattn import Positions, SegmentIds, attention_reference
 from tests._util import assert_close
 
 select_jit = jax.jit(select_keep, static_argnames=("policy", "mode"))
@@ -288,10 +288,9 @@ def test_token_attention_mass_matches_reference_probabilities():
         k,
         eye,
         causal=True,
-        q_positions=q_pos,
-        q_segment_ids=jnp.ones((B, T), jnp.int32),
-        kv_segment_ids=seg_kv,
-    )  # [B, T, N, S]
+        positions=Positions(q_pos, jnp.broadcast_to(jnp.arange(S)[None], (B, S))),
+        segment_ids=SegmentIds(jnp.ones((B, T), jnp.int32), seg_kv),
+    ).out  # [B, T, N, S]
     assert_close(mass, probs.sum(1), dtype=jnp.float32, what="token mass")
     assert_close(mass.sum(-1), jnp.full((B, N), T), dtype=jnp.float32, what="row sums")
 

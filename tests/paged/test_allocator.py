@@ -761,3 +761,18 @@ def test_settle_accepts_device_arrays():
     alloc.settle(["a"], jnp.asarray(table), jnp.asarray([3]), unused=jnp.zeros((0,), jnp.int32))
     assert alloc.sequence_length("a") == 3
     alloc.validate()
+
+
+def test_token_ids_may_be_numpy_or_jax_arrays():
+    import jax.numpy as jnp
+
+    alloc = PageAllocator(16, 2, max_pages_per_seq=4)
+    alloc.admit("a", jnp.asarray([1, 2, 3]))
+    alloc.extend("a", 4, token_ids=jnp.asarray([4]))
+    alloc.commit("a")
+    stack = alloc.reserve(1)
+    table = alloc.page_table(["a"])
+    table[0, 2] = stack[0]
+    alloc.settle(["a"], table, [5], token_ids=[np.asarray([5])])
+    assert alloc.admit("b", [1, 2, 3, 4, 5, 0]).num_cached_tokens == 4
+    alloc.validate()

@@ -380,3 +380,15 @@ def test_from_zero_based_table_shifts_ids_for_a_pool_with_a_null_page():
     # Page i of the zero-based pool is page i + 1 of ours.
     np.testing.assert_array_equal(np.asarray(padded[:, ours]), np.asarray(pages[:, zero_based]))
     assert jax.jit(from_zero_based_table)(jnp.asarray(zero_based)).tolist() == ours.tolist()
+
+
+def test_constructor_and_gather_under_jit_with_static_arguments():
+    make = jax.jit(init_paged_cache, static_argnums=range(7), static_argnames=("dtype",))
+    cache = make(L, K, 12, C, H, B, M, dtype=jnp.bfloat16)
+    assert cache.k_pages.dtype == jnp.bfloat16 and cache.k_pages.shape == (L, K, 12, C, H)
+    cache = permuted_cache(np.random.default_rng(9))
+    kv = jnp.ones((L, B, 2, K, H))
+    cache = write(cache, kv, -kv, 0)
+    k, v = jax.jit(gather_kv, static_argnums=1)(cache, 1)
+    np.testing.assert_array_equal(np.asarray(k[:, :2]), 1.0)
+    np.testing.assert_array_equal(np.asarray(v[:, 2:]), 0.0)
