@@ -17,7 +17,7 @@ from jaxtyping import Array, Shaped
 from offload._checks import IdList, check_ids
 from offload._disk import DiskStore
 from offload._host_pool import HostPagePool, check_host, page_shards, zeros_fn
-from offload._page_copy import copy_pages
+from offload._page_copy import copy_pages, gather_pages, scatter_pages
 from offload._stats import OffloadStats
 from offload._tiers import PINNED_HOST, TransferHandle, ready, wait
 from offload._transfers import page_in, page_out, prefetch_layer
@@ -32,9 +32,10 @@ class OffloadManager:
     order), so a later :meth:`page_in` or :meth:`prefetch` returns them in the order they
     were paged out. Every transfer method returns a :class:`~offload.TransferHandle`, like
     the functions it wraps. For a pool split along the page axis each page gets a free slot
-    of its own device (per-device slots); :meth:`spill`, :meth:`restore` and
-    :meth:`prefetch` do not support such pools (``NotImplementedError``). On disk a request is one :class:`~offload.DiskStore` entry keyed by its
-    request id. Device bytes belong to the caller's page allocator: register them with
+    of its own device (per-device slots), also when :meth:`restore` brings it back from disk
+    (the entry records each page's device block); :meth:`prefetch` does not support such
+    pools (``NotImplementedError``). On disk a request
+    is one :class:`~offload.DiskStore` entry keyed by its request id. Device bytes belong to the caller's page allocator: register them with
     ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or frees pages.
 
     Args:
@@ -87,27 +88,30 @@ class OffloadManager:
         """``[n]`` host slots of ``request_id`` in logical page order (empty if none)."""
         return np.asarray(self._slots.get(request_id, []), np.int32)
 
-    def _take_slots(self, fn: str, ids: np.ndarray, num_pages: int) -> list[int]:
+    def _take_slots(
+        self, fn: str, ids: np.ndarray, num_pages: int, arg: str = "page_ids"
+    ) -> list[int]:
         """The first free slots for ``ids``, each on its page's device (not yet taken)."""
         shards = page_shards(self._host_pool.k_pages)
         if shards == 1 or num_pages % shards:
             if ids.size > len(self._free):
                 raise ValueError(
-                    f"{fn}: page_ids: expected at most {len(self._free)} pages (free host "
+                    f"{fn}: {arg}: expected at most {len(self._free)} pages (free host "
                     f"slots), got {ids.size}"
                 )
             return self._free[: ids.size]
         per_page, per_slot = num_pages // shards, self._host_pool.num_slots // shards
         free = {d: [s for s in self._free if s // per_slot == d] for d in range(shards)}
+        blocks, counts = np.unique(ids // per_page, return_counts=True)
+        for block, count in zip(blocks.tolist(), counts.tolist(), strict=True):
+            if count > len(free[block]):
+                raise ValueError(
+                    f"{fn}: {arg}: expected at most {len(free[block])} pages of device block "
+                    f"{block} (its free host slots: per-device slots), got {count}"
+                )
         slots = []
         for page in ids.tolist():
             mine = free[page // per_page]
-            if not mine:
-                raise ValueError(
-                    f"{fn}: page_ids: expected at most {per_slot} pages per device block with "
-                    f"free host slots, got more pages of block {page // per_page} than its "
-                    f"free slots"
-                )
             slots.append(mine.pop(0))
         return slots
 
@@ -265,14 +269,6 @@ class OffloadManager:
             raise ValueError(f"{fn}: disk: expected the manager to have a DiskStore, got None")
         return self.disk
 
-    def _require_unsplit(self, fn: str) -> None:
-        shards = page_shards(self._host_pool.k_pages)
-        if shards > 1:
-            raise NotImplementedError(
-                f"{fn}: host_pool: pools split along the page axis ({shards} devices) are not "
-                "supported by the disk tier; page the request in, or use one host pool per device"
-            )
-
     def _sync_disk_bytes(self) -> None:
         """Re-reads per-request disk bytes from the store (LRU eviction may drop entries)."""
         store = self.disk
@@ -297,25 +293,30 @@ class OffloadManager:
         Raises:
           ValueError: without a disk store, if the request has no host pages, or if its pages
             exceed the disk budget.
-          NotImplementedError: for a host pool split along the page axis.
         """
         fn = "OffloadManager.spill"
         store = self._require_disk(fn)
-        self._require_unsplit(fn)
         slots = self._slots.get(request_id)
         if not slots:
             raise ValueError(f"{fn}: request_id: no host pages for {request_id!r}")
         start = time.perf_counter()
         pool = self._host_pool
-        shape = (*pool.k_pages.shape[:-3], len(slots), *pool.k_pages.shape[-2:])
-        zeros = zeros_fn(shape, pool.k_pages.dtype, pool.k_pages.sharding)
-        k, v, _ = copy_pages(
-            (pool.k_pages, pool.v_pages),
-            zeros(),
-            np.asarray(slots, np.int32),
-            np.arange(len(slots), dtype=np.int32),
-        )
-        nbytes = store.put(request_id, {"k": np.asarray(k), "v": np.asarray(v)})
+        shards = page_shards(pool.k_pages)
+        if shards > 1:  # read shard by shard; remember each page's device block
+            ids = np.asarray(slots, np.int32)
+            k, v = gather_pages(pool.k_pages, ids), gather_pages(pool.v_pages, ids)
+            block = (ids // (pool.num_slots // shards)).astype(np.int32)
+            nbytes = store.put(request_id, {"k": k, "v": v, "block": block})
+        else:
+            shape = (*pool.k_pages.shape[:-3], len(slots), *pool.k_pages.shape[-2:])
+            zeros = zeros_fn(shape, pool.k_pages.dtype, pool.k_pages.sharding)
+            k, v, _ = copy_pages(
+                (pool.k_pages, pool.v_pages),
+                zeros(),
+                np.asarray(slots, np.int32),
+                np.arange(len(slots), dtype=np.int32),
+            )
+            nbytes = store.put(request_id, {"k": np.asarray(k), "v": np.asarray(v)})
         self.stats.record_transfer(
             "host_to_disk", nbytes, time.perf_counter() - start, request_id=request_id
         )
@@ -336,12 +337,10 @@ class OffloadManager:
         Raises:
           ValueError: without a disk store, if the entry is missing, shaped unlike the host
             pool, or needs more host slots than are free.
-          NotImplementedError: for a host pool split along the page axis.
           CorruptCacheError: if a file is missing, truncated or corrupted (names the path).
         """
         fn = "OffloadManager.restore"
         store = self._require_disk(fn)
-        self._require_unsplit(fn)
         start = time.perf_counter()
         arrays = store.get(request_id)  # verified; raises before anything changes
         pool = self._host_pool
@@ -360,20 +359,43 @@ class OffloadManager:
                     f"{None if x is None else (x.shape, x.dtype)}"
                 )
         n = k.shape[-3]
-        if n > len(self._free):
-            raise ValueError(
-                f"{fn}: request_id: expected at most {len(self._free)} pages (free host slots), "
-                f"got {n}"
+        shards = page_shards(pool.k_pages)
+        if shards > 1:
+            block = arrays.get("block")
+            if block is None or block.shape != (n,) or not np.issubdtype(block.dtype, np.integer):
+                raise ValueError(
+                    f"{fn}: request_id: expected disk entry {request_id!r} of a pool split along "
+                    f"the page axis to hold a 'block' [{n}] int array, got "
+                    f"{None if block is None else (block.shape, block.dtype)}"
+                )
+            per_slot = pool.num_slots // shards
+            # Page j returns to a free slot of its own device block (the caller pages it in to
+            # a device page of that block).
+            slots = self._take_slots(
+                fn, block.astype(np.int64) * per_slot, pool.num_slots, "request_id"
             )
-        sharding = pool.k_pages.sharding.with_memory_kind(PINNED_HOST)
-        staged = jax.device_put((k, v), (sharding, sharding))
-        slots = self._free[:n]
-        new_k, new_v, _ = copy_pages(
-            staged, (pool.k_pages, pool.v_pages), np.arange(n, dtype=np.int32), np.asarray(slots)
-        )
+            new_k, new_v = scatter_pages(
+                (pool.k_pages, pool.v_pages), (k, v), np.asarray(slots, np.int32)
+            )
+        else:
+            if n > len(self._free):
+                raise ValueError(
+                    f"{fn}: request_id: expected at most {len(self._free)} pages (free host "
+                    f"slots), got {n}"
+                )
+            sharding = pool.k_pages.sharding.with_memory_kind(PINNED_HOST)
+            staged = jax.device_put((k, v), (sharding, sharding))
+            slots = self._free[:n]
+            new_k, new_v, _ = copy_pages(
+                staged,
+                (pool.k_pages, pool.v_pages),
+                np.arange(n, dtype=np.int32),
+                np.asarray(slots),
+            )
         self._host_pool = HostPagePool(new_k, new_v)
         jax.block_until_ready(self._host_pool)
-        del self._free[:n]
+        taken = set(slots)
+        self._free = [s for s in self._free if s not in taken]
         self._slots.setdefault(request_id, []).extend(slots)
         nbytes = k.nbytes + v.nbytes
         self.stats.record_transfer(

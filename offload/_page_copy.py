@@ -234,3 +234,65 @@ def prefetch_fn(host_sharding, contiguous: bool, into: bool):
         in_shardings=(host_sharding, device_index, device_index) + ((target,) if into else ()),
         out_shardings=(target, device_index),
     )
+
+
+def _page_index(index: tuple, axis: int, positions: np.ndarray) -> tuple:
+    """A shard's index tuple with its page-axis slice replaced by ``positions``."""
+    return (*index[:axis], positions, *index[axis + 1 :])
+
+
+def gather_pages(pool: jax.Array, slots: np.ndarray) -> np.ndarray:
+    """A numpy copy ``[..., n, C, H]`` of pages ``slots`` of a pool, read shard by shard.
+
+    Works for any sharding (each device's shard contributes the pages it holds), so a pool
+    split along the page axis is never gathered whole.
+    """
+    axis = pool.ndim - 3
+    out = np.empty((*pool.shape[:axis], slots.size, *pool.shape[axis + 1 :]), pool.dtype)
+    for shard in pool.addressable_shards:
+        lo = shard.index[axis].start or 0
+        mine = np.flatnonzero((slots >= lo) & (slots < lo + shard.data.shape[axis]))
+        if mine.size:
+            local = np.asarray(shard.data)
+            out[_page_index(shard.index, axis, mine)] = np.take(local, slots[mine] - lo, axis)
+    return out
+
+
+def scatter_pages(target, pages, dst: np.ndarray):
+    """Writes numpy pages ``pages = (k, v) [..., n, C, H]`` into slots ``dst`` of ``target``.
+
+    ``target`` (a ``(k, v)`` pair) is donated; each device receives only the pages of its own
+    shard, staged in its memory kind and copied in place by the page kernel.
+
+    Returns:
+      ``(target_k, target_v)``, complete (this is the synchronous disk path).
+    """
+    axis = target[0].ndim - 3
+    new = ([], [])
+    for part in (0, 1):
+        for shard in target[part].addressable_shards:
+            lo = shard.index[axis].start or 0
+            mine = np.flatnonzero((dst >= lo) & (dst < lo + shard.data.shape[axis]))
+            if not mine.size:
+                new[part].append(shard.data)
+                continue
+            kind = shard.data.sharding.memory_kind
+            staging = jax.sharding.SingleDeviceSharding(shard.device, memory_kind=kind)
+            source = jax.device_put(pages[part][_page_index(shard.index, axis, mine)], staging)
+            source = jax.make_array_from_single_device_arrays(
+                source.shape, as_named(staging), [source]
+            )
+            fn = _copy_pages_fn(as_named(staging), as_named(shard.data.sharding))
+            written = _named_shard(shard)
+            for start, size in chunks(mine.size):
+                written, _ = fn(
+                    source,
+                    written,
+                    np.arange(start, start + size, dtype=np.int32),
+                    (dst[mine] - lo)[start : start + size].astype(np.int32),
+                )
+            new[part].append(written)
+    shape, sharding = target[0].shape, target[0].sharding
+    k = jax.make_array_from_single_device_arrays(shape, sharding, new[0])
+    v = jax.make_array_from_single_device_arrays(shape, sharding, new[1])
+    return jax.block_until_ready((k, v))

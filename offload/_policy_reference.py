@@ -9,7 +9,10 @@ __all__ = ["select_keep_reference", "update_policy_state_reference"]
 
 
 def update_policy_state_reference(scores, mass, *, policy: RetentionPolicy) -> np.ndarray:
-    """Numpy oracle of :func:`update_policy_state` on raw arrays (``[B, U]``, ``[B, N, U]``)."""
+    """Numpy oracle of :func:`update_policy_state` on raw arrays (``[B, U]``, ``[B, N, U]``).
+
+    Plain numpy loops for tests (not jittable).
+    """
     scores = np.asarray(scores, np.float32)
     mass = np.asarray(mass, np.float32)
     if not policy.uses_scores:
@@ -31,7 +34,10 @@ def update_policy_state_reference(scores, mass, *, policy: RetentionPolicy) -> n
 def select_keep_reference(
     scores, lengths, *, policy: RetentionPolicy, page_table=None, pinned=None, mode="demote"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Numpy oracle of :func:`select_keep`: ``(keep, demote, drop)`` bool ``[B, U]``."""
+    """Numpy oracle of :func:`select_keep`: ``(keep, demote, drop)`` bool ``[B, U]``.
+
+    Plain numpy loops for tests (not jittable).
+    """
     scores = np.asarray(scores, np.float32)
     B, U = scores.shape
     lengths = np.asarray(lengths)

@@ -211,7 +211,7 @@ def _check_handle(fn: str, handle) -> None:
 
 
 def ready(handle: TransferHandle) -> bool:
-    """Whether every array of a transfer has landed (never blocks).
+    """Whether every array of a transfer has landed (never blocks). Host-side, not jittable.
 
     Args:
       handle: a :class:`TransferHandle`.
@@ -232,7 +232,7 @@ def ready(handle: TransferHandle) -> bool:
 
 
 def wait(handle: TransferHandle) -> Any:
-    """Blocks until a transfer has landed and returns its destination arrays.
+    """Blocks until a transfer has landed and returns its destination arrays (host-side).
 
     Args:
       handle: a :class:`TransferHandle`.

@@ -127,7 +127,9 @@ def default_q_positions(fn: str, q_positions, lengths, B: int, T: int):
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, q_positions, sinks, *, opts):
+def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, *, opts):
+    """``out [B, T, N, H]`` float32, ``lse [B, T, N]`` and (``opts.want_page_lse``) the page
+    mass of each query row ``[B, T, N, M]`` (relative to the row's own ``lse``), no sinks."""
     M = page_table.shape[1]
     table = pad_table(page_table, opts.pages_per_block)
     lengths = lengths.astype(jnp.int32)
@@ -138,17 +140,30 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, q_positions,
         out, lse, mass = attend_sequence(
             q_b, pos_b, valid_b, row_b, len_b, k_pages, v_pages, opts=opts
         )
-        mass = mass[:, :, :M] if mass is not None else None  # [N, T, M]
+        mass = mass[:, :, :M].transpose(1, 0, 2) if mass is not None else None  # [T, N, M]
         return out, lse, mass
 
-    out, lse, mass = lax.map(one, (q, q_positions, q_valid, table, lengths))
+    return lax.map(one, (q, q_positions, q_valid, table, lengths))
+
+
+def finish(out, lse, mass_rows, sinks, dtype) -> PagedAttentionOutput:
+    """Applies the sinks once and sums the rows' page mass over queries (jittable)."""
     out, lse_total = ringattn.apply_sinks(out, lse, sinks)
-    if mass is not None:
+    mass = None
+    if mass_rows is not None:
         if sinks is not None:  # the sink takes its share of every query's probability
             keep = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - lse_total))  # [B, T, N]
-            mass = mass * keep.transpose(0, 2, 1)[..., None]
-        mass = jnp.sum(mass, axis=2)  # [B, N, M]
-    return PagedAttentionOutput(out.astype(q.dtype), lse_total, mass)
+            mass_rows = mass_rows * keep[..., None]
+        mass = jnp.sum(mass_rows, axis=1)  # [B, N, M]
+    return PagedAttentionOutput(out.astype(dtype), lse_total, mass)
+
+
+@functools.partial(jax.jit, static_argnames=("opts",))
+def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, q_positions, sinks, *, opts):
+    out, lse, mass_rows = attention_rows(
+        q, k_pages, v_pages, page_table, lengths, q_positions, opts=opts
+    )
+    return finish(out, lse, mass_rows, sinks, q.dtype)
 
 
 def paged_attention(
@@ -256,6 +271,9 @@ def _ragged_impl(
     lse = jnp.full((total + TQ, N), -jnp.inf, jnp.float32)
     count = jnp.clip(jnp.asarray(num_seqs, jnp.int32).reshape(()), 0, B)
     rows = jnp.arange(TQ, dtype=jnp.int32)
+    M = page_table.shape[1]
+    mass = jnp.zeros((B, N, table.shape[1]), jnp.float32) if opts.want_page_lse else None
+    sinks32 = None if sinks is None else sinks.astype(jnp.float32)
 
     def sequence(b, carry):
         start = cu[b]
@@ -264,7 +282,7 @@ def _ragged_impl(
         row = table[b]
 
         def query_block(i, carry):
-            out, lse = carry
+            out, lse, mass = carry
             first = start + i * TQ
             local = i * TQ + rows
             # Rows past this sequence's queries, or outside [0, total) (a corrupt cu_q_lens
@@ -272,23 +290,31 @@ def _ragged_impl(
             valid = (local < q_len) & (first >= 0) & (first + rows < total)
             q_blk = lax.dynamic_slice(q_pad, (first, 0, 0), (TQ, N, H))
             pos = length - q_len + local
-            o, s, _ = attend_sequence(q_blk, pos, valid, row, length, k_pages, v_pages, opts=opts)
+            o, s, m = attend_sequence(q_blk, pos, valid, row, length, k_pages, v_pages, opts=opts)
             old_o = lax.dynamic_slice(out, (first, 0, 0), (TQ, N, H))
             old_s = lax.dynamic_slice(lse, (first, 0), (TQ, N))
             out = lax.dynamic_update_slice(
                 out, jnp.where(valid[:, None, None], o, old_o), (first, 0, 0)
             )
             lse = lax.dynamic_update_slice(lse, jnp.where(valid[:, None], s, old_s), (first, 0))
-            return out, lse
+            if mass is not None:  # m [N, TQ, M']: rows relative to their own lse
+                share = valid[:, None].astype(jnp.float32)  # [TQ, 1]
+                if sinks32 is not None:  # the sink's share of each row goes to no page
+                    with_sink = jnp.logaddexp(s, sinks32)
+                    share = share * jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - with_sink))
+                m = jnp.where(valid[None, :, None], m, 0.0) * share.T[:, :, None]
+                mass = mass.at[b].add(jnp.sum(m, axis=1))
+            return out, lse, mass
 
         return lax.fori_loop(0, (q_len + TQ - 1) // TQ, query_block, carry)
 
     carry, *_ = ringattn.match_varying(
-        (out, lse), q, k_pages, v_pages, page_table, lengths, cu, count
+        (out, lse, mass), q, k_pages, v_pages, page_table, lengths, cu, count
     )
-    out, lse = lax.fori_loop(0, count, sequence, carry)
+    out, lse, mass = lax.fori_loop(0, count, sequence, carry)
     out, lse = ringattn.apply_sinks(out[:total], lse[:total], sinks)
-    return PagedAttentionOutput(out.astype(q.dtype), lse, None)
+    mass = None if mass is None else mass[:, :, :M]
+    return PagedAttentionOutput(out.astype(q.dtype), lse, mass)
 
 
 def ragged_paged_attention(
@@ -308,6 +334,7 @@ def ragged_paged_attention(
     sinks: Float[Array, " N"] | None = None,
     pages_per_block: IntScalar = DEFAULT_PAGES_PER_BLOCK,
     queries_per_block: IntScalar = 16,
+    return_page_mass: bool | np.bool_ = False,
 ) -> PagedAttentionOutput:
     """Attention for a flat batch that mixes prefill chunks and decode tokens.
 
@@ -335,9 +362,12 @@ def ragged_paged_attention(
       sinks: ``[N]`` float per-query-head sink logit, or None.
       pages_per_block: pages per loop step.
       queries_per_block: query rows per step (clamped to ``Q``).
+      return_page_mass: also compute ``page_mass [B, N, M]``, the probability each
+        page-table slot received, summed over each sequence's query rows.
 
     Returns:
-      :class:`PagedAttentionOutput` ``(out [Q, N, H] in q.dtype, lse [Q, N] float32, None)``.
+      :class:`PagedAttentionOutput` ``(out [Q, N, H] in q.dtype, lse [Q, N] float32,
+      page_mass [B, N, M] or None)``.
 
     Raises:
       ValueError: on inconsistent ranks, shapes, dtypes or options.
@@ -375,7 +405,9 @@ def ragged_paged_attention(
     check_sinks(fn, sinks, N)
     pages_per_block = int_option(fn, "pages_per_block", pages_per_block, minimum=1)
     queries_per_block = int_option(fn, "queries_per_block", queries_per_block, minimum=1)
-    opts = kernel_options(fn, spec, N, H, pages_per_block, page_table.shape[1], False)
+    opts = kernel_options(
+        fn, spec, N, H, pages_per_block, page_table.shape[1], bool(return_page_mass)
+    )
     return _ragged_impl(
         q,
         k_pages,

@@ -86,6 +86,9 @@ def init_paged_cache(
 ) -> PagedKVCache:
     """An empty cache: zero pools, every table slot on the null page, lengths 0.
 
+    Sizes are Python/numpy ints; to build it under ``jit``, make them static:
+    ``jax.jit(init_paged_cache, static_argnums=range(7), static_argnames=("dtype",))``.
+
     Args:
       num_layers: ``L``.
       num_kv_heads: ``K``.
@@ -188,6 +191,8 @@ def write_layer(
 ) -> PagedKVCache:
     """Writes one layer's KV for positions ``start ... start + T - 1``; lengths unchanged.
 
+    Jittable as it is (``jax.jit(write_layer)``; ``layer`` may then be traced) and vmappable.
+
     Args:
       cache: the cache.
       layer: layer index: an int in ``[0, L)`` or an integer 0-d array (traced: out of range
@@ -231,6 +236,8 @@ def _write_layer_impl(cache, layer, k, v, start):
 def advance(cache: PagedKVCache, n: Int[Array, " B"] | Int[Array, ""] | IntScalar) -> PagedKVCache:
     """Adds ``n`` (scalar or ``[B]``) to ``lengths``, clipped to ``[0, capacity]``.
 
+    Jittable as it is (``jax.jit(advance)``).
+
     Raises:
       ValueError: if ``n`` is not an int scalar or ``[B]`` ints.
 
@@ -248,6 +255,8 @@ def append(
     v: Float[Array, "L B K H"] | Float[Array, "L B 1 K H"],
 ) -> PagedKVCache:
     """Writes one decode token per sequence for every layer at ``lengths``, then advances by 1.
+
+    Jittable as it is (``jax.jit(append)``) and vmappable.
 
     Args:
       cache: the cache.
@@ -284,6 +293,8 @@ def write(
     start: Int[Array, " B"] | Int[Array, ""] | IntScalar,
 ) -> PagedKVCache:
     """Writes a chunk for every layer at ``start ... start + T - 1`` (prefill).
+
+    Jittable as it is (``jax.jit(write)``).
 
     ``lengths`` becomes ``max(lengths, start + T)`` (clipped to capacity).
 

@@ -2,11 +2,9 @@
 
 Every check raises ``ValueError(f"{fn}: {arg}: expected {X}, got {Y}")``. Scalar options:
 an int option accepts Python ``int`` and numpy integer scalars and returns a Python ``int``;
-``bool``, floats (``3.0`` included: never truncated) and everything else are rejected. A
-float option accepts ints and floats of Python or numpy and returns a Python ``float``.
+``bool``, floats (``3.0`` included: never truncated) and everything else are rejected. Float
+mask options (``scale``, ``softcap``) are checked by :func:`ringattn.resolve_mask`.
 """
-
-import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +15,6 @@ __all__ = [
     "check_pages",
     "check_table",
     "describe",
-    "float_option",
     "host_int_array",
     "int_option",
     "is_int",
@@ -43,22 +40,6 @@ def int_option(fn: str, name: str, value, *, minimum: int | None = None) -> int:
         bound = "" if minimum is None else f" >= {minimum}"
         raise ValueError(f"{fn}: {name}: expected an int{bound}, got {value!r}")
     return int(value)
-
-
-def float_option(
-    fn: str, name: str, value, *, positive: bool = False, finite: bool = True
-) -> float:
-    """Checks a float option (int/float, Python or numpy, not bool); returns ``float``."""
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-        value, (bool, np.bool_)
-    )
-    if ok:
-        f = float(value)
-        ok = not math.isnan(f) and (not finite or math.isfinite(f)) and (not positive or f > 0)
-    if not ok:
-        what = "a positive finite float" if positive else "a finite float"
-        raise ValueError(f"{fn}: {name}: expected {what}, got {value!r}")
-    return float(value)
 
 
 def layer_index(fn: str, value, num_layers: int, *, traced_ok: bool):

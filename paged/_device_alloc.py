@@ -60,6 +60,8 @@ def make_free_stack(
 ) -> FreePageStack:
     """A stack holding ``free_ids`` (popped last-first), in an array of ``capacity`` slots.
 
+    Host side (checks the ids eagerly); the stack it returns is a pytree for jitted loops.
+
     Args:
       free_ids: 1-D ints, distinct real page ids (``>= 1``).
       capacity: array size ``F`` (default ``len(free_ids)``); room for :func:`push_pages`.
@@ -101,6 +103,8 @@ def pop_pages(
 ) -> tuple[FreePageStack, Int[Array, " B"], Bool[Array, " B"]]:
     """Pops one page for each ``need[b]``, in batch order, while pages last (jittable).
 
+    Already jitted (no options to bind).
+
     Returns:
       ``(stack, ids [B], granted [B])``; ``ids[b]`` is 0 (the null page) where not granted.
 
@@ -123,6 +127,8 @@ def push_pages(
     stack: FreePageStack, ids: Int[Array, " n"], mask: Bool[Array, " n"]
 ) -> FreePageStack:
     """Returns pages ``ids[mask]`` to the stack (jittable); ids that do not fit are dropped.
+
+    Already jitted (no options to bind).
 
     The caller must only push pages it owns (never the null page: 0 is ignored).
 
@@ -150,6 +156,8 @@ def ensure_next_page(
     active: Bool[Array, " B"] | None = None,
 ) -> tuple[PagedKVCache, FreePageStack, Bool[Array, " B"]]:
     """Makes sure each active sequence has a page for its next token (jittable).
+
+    Already jitted; ``active`` is an array argument, not a static option.
 
     A sequence whose next position ``lengths[b]`` falls on a table slot holding the null page
     pops a page from ``stack`` into that slot.
@@ -190,6 +198,8 @@ def taken_pages(
     stack: FreePageStack, initial_top: int | np.integer
 ) -> tuple[np.ndarray, np.ndarray]:
     """Host side, after a loop: ``(taken, unused)`` page ids of a stack that only popped.
+
+    Reads values, so it runs outside ``jit``.
 
     Args:
       stack: the stack returned by the loop.

@@ -9,6 +9,7 @@ windows, masked keys having no effect) and nothing of its block walking. They bu
 (``jax.jit(functools.partial(paged_attention_reference, window=8))``).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -41,7 +42,7 @@ def _dense(k_pages, v_pages, page_table, lengths):
     return k, v, valid
 
 
-def _page_mass(q, k, v, valid, q_pos, spec, sinks, lse_total, M: int, C: int):
+def _page_mass(q, k, v, valid, q_pos, q_seg, spec, lse_total, M: int, C: int):
     """``[B, N, M]``: ``sum_t exp(lse_slot - lse_total)``, one dense pass per table slot."""
     B, S = valid.shape
     kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -54,9 +55,7 @@ def _page_mass(q, k, v, valid, q_pos, spec, sinks, lse_total, M: int, C: int):
             k,
             v,
             mask=spec,
-            segment_ids=ringattn.SegmentIds(
-                jnp.ones(q.shape[:2], jnp.int32), seen.astype(jnp.int32)
-            ),
+            segment_ids=ringattn.SegmentIds(q_seg, seen.astype(jnp.int32)),
             positions=ringattn.Positions(q_pos, kv_pos),
         )
         share = jnp.where(jnp.isneginf(lse_m), 0.0, jnp.exp(lse_m - lse_total))  # [B, T, N]
@@ -138,9 +137,8 @@ def paged_attention_reference(
     )
     mass = None
     if return_page_mass:
-        mass = _page_mass(
-            q32, k.astype(jnp.float32), v.astype(jnp.float32), valid, q_pos, spec, sinks, lse, M, C
-        )
+        k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+        mass = _page_mass(q32, k32, v32, valid, q_pos, segment_ids.q, spec, lse, M, C)
     return PagedAttentionOutput(out.astype(q.dtype), lse, mass)
 
 
@@ -159,6 +157,7 @@ def ragged_paged_attention_reference(
     softcap: FloatScalar | None = None,
     scale: FloatScalar | None = None,
     sinks: Float[Array, " N"] | None = None,
+    return_page_mass: bool | np.bool_ = False,
 ) -> PagedAttentionOutput:
     """Dense float32 oracle of :func:`paged.ragged_paged_attention` (same arguments).
 
@@ -179,9 +178,11 @@ def ragged_paged_attention_reference(
       softcap: logit soft cap.
       scale: logit scale.
       sinks: ``[N]`` per-head sink logits, or None.
+      return_page_mass: also compute ``page_mass [B, N, M]`` (one dense pass per slot).
 
     Returns:
-      :class:`paged.PagedAttentionOutput` ``(out [Q, N, H], lse [Q, N], None)``.
+      :class:`paged.PagedAttentionOutput` ``(out [Q, N, H], lse [Q, N], page_mass or
+      None)``.
 
     Raises:
       ValueError: on inconsistent shapes or options.
@@ -200,7 +201,7 @@ def ragged_paged_attention_reference(
     total, N, _ = q.shape
     K, P, C, H = check_pages(fn, k_pages, v_pages)
     check_heads(fn, q, K, H, k_pages.dtype)
-    B, _ = check_table(fn, page_table, lengths, None)
+    B, M = check_table(fn, page_table, lengths, None)
     check_array(fn, "cu_q_lens", cu_q_lens, 1, jnp.integer)
     if tuple(cu_q_lens.shape) != (B + 1,):
         raise ValueError(f"{fn}: cu_q_lens: expected shape ({B + 1},), got {describe(cu_q_lens)}")
@@ -220,13 +221,15 @@ def ragged_paged_attention_reference(
     segment_ids = ringattn.SegmentIds(
         jnp.where(owned, 1, 2)[:, None].astype(jnp.int32), valid[owner].astype(jnp.int32)
     )
+    q32 = q.astype(jnp.float32)[:, None]
+    k32, v32 = k[owner].astype(jnp.float32), v[owner].astype(jnp.float32)
+    positions = ringattn.Positions(q_pos, kv_pos)
     out, lse = ringattn.attention_reference(
-        q.astype(jnp.float32)[:, None],
-        k[owner].astype(jnp.float32),
-        v[owner].astype(jnp.float32),
-        mask=spec,
-        segment_ids=segment_ids,
-        positions=ringattn.Positions(q_pos, kv_pos),
-        sinks=sinks,
+        q32, k32, v32, mask=spec, segment_ids=segment_ids, positions=positions, sinks=sinks
     )
-    return PagedAttentionOutput(out[:, 0].astype(q.dtype), lse[:, 0], None)
+    mass = None
+    if return_page_mass:
+        rows = _page_mass(q32, k32, v32, valid[owner], q_pos, segment_ids.q, spec, lse, M, C)
+        rows = jnp.where(owned[:, None, None], rows, 0.0)  # [Q, N, M]
+        mass = jax.ops.segment_sum(rows, owner, num_segments=B)
+    return PagedAttentionOutput(out[:, 0].astype(q.dtype), lse[:, 0], mass)

@@ -34,32 +34,36 @@ from paged._attention import (
     IntScalar,
     PagedAttentionOutput,
     Window,
+    attention_rows,
     check_sinks,
     default_q_positions,
-    paged_attention,
+    finish,
     resolve_mask,
 )
 from paged._checks import check_array, check_heads, check_pages, check_table, int_option
+from paged._page_walk import kernel_options
 
 __all__ = ["sharded_paged_attention"]
 
 
-def local_partial(q, k_pages, v_pages, page_table, lengths, q_positions, *, seq_axis, mask, ppb):
-    """Inside ``shard_map``: this device's ``(out, lse)`` over its token range (no sinks)."""
+def local_partial(
+    q, k_pages, v_pages, page_table, lengths, q_positions, *, seq_axis, mask, ppb, page_mass=False
+):
+    """Inside ``shard_map``: this device's ``(out, lse, mass_rows)`` over its token range.
+
+    ``out`` float32, no sinks; ``mass_rows [B, T, N, M_d]`` relative to the local ``lse`` (or
+    None without ``page_mass``).
+    """
+    N, H = q.shape[2], q.shape[3]
     capacity = page_table.shape[1] * k_pages.shape[2]  # M_d * C
     offset = jax.lax.axis_index(seq_axis) * capacity
     local_lengths = jnp.clip(lengths - offset, 0, capacity)
-    res = paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        page_table,
-        local_lengths,
-        q_positions=q_positions - offset,
-        mask=mask,
-        pages_per_block=ppb,
+    opts = kernel_options(
+        "sharded_paged_attention", mask, N, H, ppb, page_table.shape[1], page_mass
     )
-    return res.out, res.lse
+    return attention_rows(
+        q, k_pages, v_pages, page_table, local_lengths, q_positions - offset, opts=opts
+    )
 
 
 def sharded_paged_attention(
@@ -79,6 +83,7 @@ def sharded_paged_attention(
     scale: FloatScalar | None = None,
     sinks: Float[Array, " N"] | None = None,
     pages_per_block: IntScalar = DEFAULT_PAGES_PER_BLOCK,
+    return_page_mass: bool | np.bool_ = False,
 ) -> PagedAttentionOutput:
     """Paged decode attention over a pool sharded by sequence range along ``seq_axis``.
 
@@ -105,10 +110,13 @@ def sharded_paged_attention(
       scale: logit scale, default ``1 / sqrt(H)``.
       sinks: ``[N]`` per-query-head sink logits, applied once after the merge, or None.
       pages_per_block: pages per loop step on each device.
+      return_page_mass: also compute ``page_mass [B, N, D * M_d]``, the probability each
+        global page-table column received (summed over queries), sharded like the table's
+        columns.
 
     Returns:
       :class:`paged.PagedAttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N],
-      None)``, replicated (``page_mass`` is not computed over a sharded pool).
+      page_mass or None)``; ``out`` and ``lse`` replicated.
 
     Raises:
       ValueError: on a bad axis, shapes that do not divide over it, or bad inputs.
@@ -153,16 +161,19 @@ def sharded_paged_attention(
     pool_spec = PartitionSpec(None, seq_axis)
     replicated = PartitionSpec()
     specs = (replicated, pool_spec, pool_spec, pool_spec, replicated, replicated)
+    want_mass = bool(return_page_mass)
+    kernel_options(fn, spec, N, H, ppb, M // D, want_mass)  # eager checks (window tuple...)
+    mass_spec = PartitionSpec(None, None, None, seq_axis)  # [B, T, N, M] by columns
 
     @functools.partial(
         jax.shard_map,
         mesh=mesh,
         in_specs=specs,
-        out_specs=(replicated, replicated),
+        out_specs=(replicated, replicated, mass_spec if want_mass else replicated),
         check_vma=True,
     )
     def run(q, k_pages, v_pages, page_table, lengths, q_positions):
-        out, lse = local_partial(
+        out, lse, mass_rows = local_partial(
             q,
             k_pages,
             v_pages,
@@ -172,8 +183,15 @@ def sharded_paged_attention(
             seq_axis=seq_axis,
             mask=spec,
             ppb=ppb,
+            page_mass=want_mass,
         )
-        return tuple(ringattn.allreduce_attention_per_shard(out, lse, seq_axis=seq_axis))
+        out_all, lse_all = ringattn.allreduce_attention_per_shard(out, lse, seq_axis=seq_axis)
+        if not want_mass:
+            return out_all, lse_all, jnp.zeros((), jnp.float32)
+        # Each device's row mass is relative to its own lse: rescale it to the merged one.
+        lse_v, lse_all_v = ringattn.match_varying(lse, lse_all)
+        share = jnp.where(jnp.isneginf(lse_v), 0.0, jnp.exp(lse_v - lse_all_v))
+        return out_all, lse_all, mass_rows * share[..., None]
 
     args = (q, k_pages, v_pages, jnp.asarray(page_table), lengths, q_positions)
     if any(t == AxisType.Explicit for t in mesh.axis_types):
@@ -182,6 +200,6 @@ def sharded_paged_attention(
             jax.sharding.reshard(x, NamedSharding(mesh, s))
             for x, s in zip(args, specs, strict=True)
         )
-    out, lse = run(*args)
-    out, lse = ringattn.apply_sinks(out, lse, sinks)  # once, after the merge
-    return PagedAttentionOutput(out, lse, None)
+    out, lse, mass_rows = run(*args)
+    # Sinks join once, after the merge (and take their share of the page mass).
+    return finish(out, lse, mass_rows if want_mass else None, sinks, q.dtype)

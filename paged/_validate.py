@@ -27,6 +27,8 @@ def validate_page_table(
 ) -> None:
     """Eagerly checks a page table against a pool; raises on anything unsafe or inconsistent.
 
+    Host side: it reads values, so it cannot run under ``jit`` (call it outside).
+
     Checks: ids in ``[0, num_pages)``; ``0 <= lengths <= M * page_size``; every slot holding
     a valid token (``j < ceil(lengths / C)``) names a real page (not the null page 0); no page
     appears twice among one sequence's used slots. (Sharing a page across sequences is legal:
@@ -85,6 +87,8 @@ def validate_page_table(
 
 def validate(cache: PagedKVCache) -> None:
     """Eagerly checks a cache's shapes and page table (see :func:`validate_page_table`).
+
+    Host side: it reads values, so it cannot run under ``jit`` (call it outside).
 
     Raises:
       ValueError: on inconsistent shapes, out-of-range ids, lengths over capacity, a null page

@@ -9,6 +9,8 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload import (
     CorruptCacheError,
@@ -386,3 +388,42 @@ def test_concurrent_processes_lose_nothing_and_keep_the_budget(tmp_path):
         assert _files_bytes(directory) == (expect * 64, sorted(store.keys()))
         if expect == 36:
             assert sorted(store.keys()) == sorted(f"{p}-{i}" for p in "abc" for i in range(12))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "delete", "reopen"]),
+            st.sampled_from(["a", "b", "c", "index.json", ".lock"]),
+            st.integers(1, 6),
+        ),
+        max_size=25,
+    )
+)
+@settings(max_examples=25, deadline=None)
+def test_store_matches_an_lru_model(ops):
+    """Random puts, gets, deletes and reopenings: keys, order, sizes and budget as a model."""
+    import tempfile
+
+    budget = 10 * 16
+    with tempfile.TemporaryDirectory() as directory:
+        store = DiskStore(directory, budget_bytes=budget)
+        model: dict[str, int] = {}  # least recently used first
+        for op, key, n in ops:
+            if op == "put":
+                store.put(key, {"k": np.full(4 * n, n, np.float32)})  # 16 n bytes
+                model.pop(key, None)
+                model[key] = 16 * n
+                while sum(model.values()) > budget:
+                    del model[next(k for k in model if k != key)]
+            elif op == "get" and key in model:
+                assert store.get(key)["k"].shape == (model[key] // 4,)
+                model[key] = model.pop(key)
+            elif op == "delete" and key in model:
+                store.delete(key)
+                del model[key]
+            elif op == "reopen":
+                store = DiskStore(directory, budget_bytes=budget)
+            assert store.keys() == list(model)
+            assert store.nbytes == sum(model.values()) <= budget
+            assert _files_bytes(directory) == (store.nbytes, sorted(model))

@@ -117,3 +117,20 @@ def test_degenerate_shapes_rejected_with_named_argument():
         ValueError, match=r"token_attention_mass: scale: expected a float, got bool"
     ):
         token_attention_mass(q, k, lengths, scale=True)
+
+
+def test_mixed_residency_attention_under_vmap_over_layers():
+    """Pools stacked over layers: vmap over L equals the per-layer calls (jit on top)."""
+    q, _, pages, table, lengths = _data(5)
+    layers = jnp.stack([pages, -pages, 2 * pages])  # [L, K, P, C, H]
+    keep = jnp.asarray(np.random.default_rng(5).random((B, M)) < 0.5)
+    device_table, cold_table = split_residency(table, keep, ~keep)
+    sinks = jnp.linspace(-1.0, 1.0, N)
+    fn = functools.partial(mixed_residency_attention, window=5, sinks=sinks)
+
+    def one(kp):
+        return fn(q, kp, kp, device_table, lengths, cold_table=cold_table)
+
+    stacked = jax.jit(jax.vmap(one))(layers)
+    for layer in range(layers.shape[0]):
+        _equal(jax.tree.map(lambda x, i=layer: x[i], stacked), one(layers[layer]))

@@ -128,7 +128,9 @@ def test_manager_on_page_split_pool_uses_per_device_slots(tmp_path):
     k2, _ = manager.wait(manager.page_in(jnp.zeros_like(k), jnp.zeros_like(v), ids, request_id="r"))
     np.testing.assert_array_equal(np.asarray(k2)[..., ids, :, :], np.asarray(k)[..., ids, :, :])
     assert manager.free_slots == SLOTS
-    with pytest.raises(ValueError, match=r"expected at most 2 pages per device block"):
+    with pytest.raises(
+        ValueError, match=r"page_ids: expected at most 2 pages of device block 0 .* got 3"
+    ):
         manager.page_out(k, v, [0, 1, 2], request_id="s")  # three pages of block 0
 
 
@@ -159,3 +161,34 @@ def test_paged_cache_and_sharded_attention_after_offload():
     host = wait(page_out(k, v, ids, host, slots))
     k_back, v_back = wait(page_in(host, slots, jnp.zeros_like(k), jnp.zeros_like(v), ids))
     assert_close(attend(k_back, v_back), expected, dtype=jnp.float32, what="after offload")
+
+
+def test_manager_spill_and_restore_page_split_pool(tmp_path):
+    """Spilled pages of a page-split host pool come back to slots of their own devices."""
+    from offload import DiskStore
+
+    k, v = _pools("stacked-pages", seed=5)
+    manager = OffloadManager(make_host_page_pool(k, v, SLOTS), disk=DiskStore(tmp_path))
+    ids = np.array([14, 0, 5])  # blocks 3, 0, 1
+    manager.wait(manager.page_out(k, v, ids, request_id="r"))
+    written = manager.spill("r")
+    assert manager.free_slots == SLOTS and "r" in manager.disk
+    assert manager.stats.tier_bytes("disk", request_id="r") == written
+    # Occupy block 0's first slot so the restore has to pick another one of block 0.
+    manager.wait(manager.page_out(k, v, [1], request_id="other"))
+    assert manager.restore("r") > 0 and "r" not in manager.disk
+    slots = manager.host_slots("r")
+    np.testing.assert_array_equal(slots // (SLOTS // D), ids // (PAGES // D))
+    assert not set(slots.tolist()) & set(manager.host_slots("other").tolist())
+    host_k = np.asarray(manager.host_pool.k_pages)
+    np.testing.assert_array_equal(host_k[..., slots, :, :], np.asarray(k)[..., ids, :, :])
+    back_k, back_v = manager.wait(
+        manager.page_in(jnp.zeros_like(k), jnp.zeros_like(v), ids, request_id="r")
+    )
+    np.testing.assert_array_equal(np.asarray(back_v)[..., ids, :, :], np.asarray(v)[..., ids, :, :])
+    # Block 0 has 2 slots, both taken; pages of block 0 on disk cannot come back.
+    manager.wait(manager.page_out(k, v, [2], request_id="full"))  # block 0 is now full
+    manager.disk.put("crowd", {"k": np.asarray(k)[..., :3, :, :], "v": np.asarray(v)[..., :3, :, :],
+                               "block": np.zeros(3, np.int32)})  # fmt: skip
+    with pytest.raises(ValueError, match=r"restore: request_id: expected at most 0 pages of"):
+        manager.restore("crowd")

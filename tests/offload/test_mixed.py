@@ -90,9 +90,9 @@ def test_every_page_fetched_equals_full_attention(separate_pool, jit):
         cold_k = jnp.zeros_like(k_pages).at[:, remap].set(k_pages)
         cold_v = jnp.zeros_like(v_pages).at[:, remap].set(v_pages)
         cold_table = remap[cold_table]
-        # The device pool no longer holds the demoted pages: poison them.
-        k_pages = k_pages.at[:, jnp.where(sel.demote, table, 0).ravel()].set(1e3)
-        v_pages = v_pages.at[:, jnp.where(sel.demote, table, 0).ravel()].set(1e3)
+        # The device pool no longer holds the demoted pages: poison them (NaN never leaks).
+        k_pages = k_pages.at[:, jnp.where(sel.demote, table, 0).ravel()].set(jnp.nan)
+        v_pages = v_pages.at[:, jnp.where(sel.demote, table, 0).ravel()].set(jnp.nan)
     fn = jax.jit(mixed_residency_attention) if jit else mixed_residency_attention
     res = fn(
         q,

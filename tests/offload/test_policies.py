@@ -19,7 +19,6 @@ from offload import (
     update_policy_state,
     update_policy_state_reference,
 )
-from ringattn import Positions, SegmentIds, attention_reference
 from tests._util import assert_close
 
 select_jit = jax.jit(select_keep, static_argnames=("policy", "mode"))
@@ -266,33 +265,6 @@ def test_selection_invariants(case):
         scores, lengths, policy=policy, page_table=table, pinned=pinned, mode=mode
     )
     _assert_selection_equal(sel, ref)
-
-
-# --------------------------------------------------------------------------- token mass
-
-
-def test_token_attention_mass_matches_reference_probabilities():
-    rng = np.random.default_rng(2)
-    B, T, N, K, S = 2, 3, 4, 2, 10
-    H = S  # values are one-hot rows of the identity, so v and k share the head dim
-    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
-    lengths = jnp.array([10, 6])
-    mass = token_attention_mass(q, k, lengths)
-    # Attention probabilities are the output for identity values: v = one-hot of the key.
-    eye = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32)[None, :, None, :], (B, S, K, S))
-    q_pos = lengths[:, None] - T + jnp.arange(T)[None]
-    seg_kv = (jnp.arange(S)[None] < lengths[:, None]).astype(jnp.int32)
-    probs = jax.jit(attention_reference, static_argnames=("causal",))(
-        q,
-        k,
-        eye,
-        causal=True,
-        positions=Positions(q_pos, jnp.broadcast_to(jnp.arange(S)[None], (B, S))),
-        segment_ids=SegmentIds(jnp.ones((B, T), jnp.int32), seg_kv),
-    ).out  # [B, T, N, S]
-    assert_close(mass, probs.sum(1), dtype=jnp.float32, what="token mass")
-    assert_close(mass.sum(-1), jnp.full((B, N), T), dtype=jnp.float32, what="row sums")
 
 
 # --------------------------------------------------------------------------- errors

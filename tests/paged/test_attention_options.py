@@ -192,13 +192,21 @@ def test_ragged_sinks_and_per_head_windows_match_the_reference():
     q, k, v, table, lengths, cu, _ = ragged_inputs(rng, C, K, N, H)
     sinks = jnp.asarray([1.0, -1.0, 0.0, 2.0], jnp.float32)
     window = (None, 4, 2, 7)
-    run = jax.jit(functools.partial(ragged_paged_attention, window=window, queries_per_block=4))
-    res = run(q, k, v, table, lengths, cu, jnp.int32(4), sinks=sinks)
-    ref = jax.jit(functools.partial(ragged_paged_attention_reference, window=window))(
-        q, k, v, table, lengths, cu, jnp.int32(4), sinks=sinks
+    run = jax.jit(
+        functools.partial(
+            ragged_paged_attention, window=window, queries_per_block=4, return_page_mass=True
+        )
     )
-    assert res.page_mass is None and ref.page_mass is None
-    check_against_reference(res, ref, what="ragged sinks")
+    ref_fn = jax.jit(
+        functools.partial(ragged_paged_attention_reference, window=window, return_page_mass=True)
+    )
+    for s in (sinks, None):
+        res = run(q, k, v, table, lengths, cu, jnp.int32(4), sinks=s)
+        ref = ref_fn(q, k, v, table, lengths, cu, jnp.int32(4), sinks=s)
+        assert res.page_mass.shape == ref.page_mass.shape == (table.shape[0], N, table.shape[1])
+        check_against_reference(res, ref, what=f"ragged sinks={s is not None}")
+    plain = ragged_paged_attention(q, k, v, table, lengths, cu, 4)
+    assert plain.page_mass is None
 
 
 def test_reference_defaults_are_the_kernel_defaults():

@@ -392,3 +392,38 @@ def test_constructor_and_gather_under_jit_with_static_arguments():
     k, v = jax.jit(gather_kv, static_argnums=1)(cache, 1)
     np.testing.assert_array_equal(np.asarray(k[:, :2]), 1.0)
     np.testing.assert_array_equal(np.asarray(v[:, 2:]), 0.0)
+
+
+def test_cache_functions_under_vmap_and_attention_under_remat():
+    cache = init_paged_cache(1, 1, 6, 2, 4, batch=2, max_pages_per_seq=2)
+    caches = jax.tree.map(lambda x: jnp.stack([x, x]), cache)
+    tables = jnp.asarray([[[1, 2], [3, 4]], [[5, 1], [2, 3]]], jnp.int32)
+    caches = jax.vmap(with_page_table)(caches, tables, jnp.zeros((2, 2), jnp.int32))
+    kv = jnp.arange(2 * 2 * 4, dtype=jnp.float32).reshape(2, 1, 2, 1, 4)  # [V, L, B, K, H]
+    out = jax.jit(jax.vmap(append))(caches, kv, kv)
+    out = jax.vmap(advance, in_axes=(0, None))(out, 1)
+    for i in range(2):
+        one = advance(append(jax.tree.map(lambda x, i=i: x[i], caches), kv[i], kv[i]), 1)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(one), strict=True):
+            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
+    layer = jax.vmap(write_layer, in_axes=(0, None, 0, 0, None))(caches, 0, kv[:, 0], kv[:, 0], 0)
+    assert layer.k_pages.shape == caches.k_pages.shape
+    # Forward remat of the attention (it is forward-only, but composes with checkpoint).
+    c = out.k_pages[0, 0]
+    res = jax.checkpoint(functools.partial(paged_attention, window=2))(
+        jnp.ones((2, 1, 1, 4)), c, c, out.page_table[0], out.lengths[0]
+    )
+    plain = paged_attention(
+        jnp.ones((2, 1, 1, 4)), c, c, out.page_table[0], out.lengths[0], window=2
+    )
+    np.testing.assert_allclose(np.asarray(res.out), np.asarray(plain.out), atol=1e-6)
+
+
+@pytest.mark.no_typecheck
+def test_from_zero_based_table_errors():
+    from paged import from_zero_based_table
+
+    with pytest.raises(ValueError, match="from_zero_based_table: page_table: expected rank 2"):
+        from_zero_based_table(np.zeros((3,), np.int32))
+    with pytest.raises(ValueError, match="from_zero_based_table: page_table: expected an integer"):
+        from_zero_based_table(np.zeros((1, 3), np.float32))

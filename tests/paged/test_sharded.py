@@ -57,7 +57,7 @@ def test_local_partials_merge_to_single_device_result(D, window):
         check_vma=True,
     )
     def partials(q, k, v, table, lengths, q_positions):
-        out, lse = local_partial(
+        out, lse, _ = local_partial(
             q,
             k,
             v,
@@ -150,11 +150,36 @@ def test_sharded_sinks_join_once_after_the_merge(axis_type):
     sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
     window = (None, 7, 3, None)  # per query head
     res = jax.jit(
-        functools.partial(sharded_paged_attention, mesh=mesh, seq_axis="seq", window=window)
+        functools.partial(
+            sharded_paged_attention,
+            mesh=mesh,
+            seq_axis="seq",
+            window=window,
+            return_page_mass=True,
+        )
     )(q, k, v, local, lengths, sinks=sinks)
-    ref = paged_attention_reference(q, k, v, global_table, lengths, window=window, sinks=sinks)
+    ref = paged_attention_reference(
+        q, k, v, global_table, lengths, window=window, sinks=sinks, return_page_mass=True
+    )
     assert_close(res.out, ref.out, dtype=jnp.float32, what="sharded sinks")
     assert_close(res.lse, ref.lse, dtype=jnp.float32, what="sharded sinks lse")
+    assert res.page_mass.shape == ref.page_mass.shape == (3, N, local.shape[1])
+    assert_close(res.page_mass, ref.page_mass, dtype=jnp.float32, what="sharded page mass")
+    without = sharded_paged_attention(q, k, v, local, lengths, mesh=mesh, seq_axis="seq")
+    assert without.page_mass is None
     # The empty sequence: out 0, lse = sink (once, not D times).
     np.testing.assert_array_equal(np.asarray(res.out[2]), 0.0)
     np.testing.assert_allclose(np.asarray(res.lse[2, 0]), np.asarray(sinks), rtol=1e-6)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_sharded_paged_attention_under_vmap_and_jit(axis_type):
+    rng = np.random.default_rng(5)
+    q, k, v, local, lengths, global_table = sharded_inputs(rng, 2)
+    mesh = make_test_mesh((2,), ("seq",), axis_type=axis_type)
+    fn = functools.partial(sharded_paged_attention, mesh=mesh, seq_axis="seq", window=5)
+    qs = jnp.stack([q, -q])
+    res = jax.jit(jax.vmap(fn, in_axes=(0, None, None, None, None)))(qs, k, v, local, lengths)
+    for i in range(2):
+        ref = paged_attention_reference(qs[i], k, v, global_table, lengths, window=5)
+        assert_close(res.out[i], ref.out, dtype=jnp.float32, what=f"vmap {i}")
