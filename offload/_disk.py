@@ -235,7 +235,10 @@ class DiskStore:
         _check_key("DiskStore.entry_nbytes", key)
         sizes = self._sizes()
         if key not in sizes:
-            raise ValueError(f"DiskStore.entry_nbytes: key: no entry {key!r} in {self.directory}")
+            raise ValueError(
+                f"DiskStore.entry_nbytes: key: expected a stored key, got {key!r} (no entry in "
+                f"{self.directory})"
+            )
         return sizes[key]
 
     def path(self, key: str) -> str:
@@ -323,7 +326,10 @@ class DiskStore:
         with self._locked():
             sizes = self._load_index()
             if key not in sizes:
-                raise ValueError(f"DiskStore.delete: key: no entry {key!r} in {self.directory}")
+                raise ValueError(
+                    f"DiskStore.delete: key: expected a stored key, got {key!r} (no entry in "
+                    f"{self.directory})"
+                )
             self._remove_dir(self._entry_dir(key))
             del sizes[key]
             self._save_index(sizes)
@@ -348,7 +354,9 @@ class DiskStore:
         with self._locked():
             sizes = self._load_index()
             if key not in sizes:
-                raise ValueError(f"{fn}: key: no entry {key!r} in {self.directory}")
+                raise ValueError(
+                    f"{fn}: key: expected a stored key, got {key!r} (no entry in {self.directory})"
+                )
             out = self._read_entry(key)
             sizes[key] = sizes.pop(key)
             self._save_index(sizes)

@@ -33,8 +33,9 @@ class OffloadManager:
     were paged out. Every transfer method returns a :class:`~offload.TransferHandle`, like
     the functions it wraps. For a pool split along the page axis each page gets a free slot
     of its own device (per-device slots), also when :meth:`restore` brings it back from disk
-    (the entry records each page's device block); :meth:`prefetch` does not support such
-    pools (``NotImplementedError``). On disk a request
+    (the entry records each page's device block); :meth:`prefetch` of such a pool needs the
+    request's pages ``n / D`` per device block in block order (as
+    :func:`~offload.prefetch_layer`). On disk a request
     is one :class:`~offload.DiskStore` entry keyed by its request id. Device bytes belong to the caller's page allocator: register them with
     ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or frees pages.
 
@@ -218,7 +219,9 @@ class OffloadManager:
         fn = "OffloadManager.page_in"
         slots = self._slots.get(request_id)
         if not slots:
-            raise ValueError(f"{fn}: request_id: no host pages for {request_id!r}")
+            raise ValueError(
+                f"{fn}: request_id: expected a request with host pages, got {request_id!r}"
+            )
         handle = page_in(self._host_pool, slots, k_pages, v_pages, page_ids, request_id=request_id)
         self._release(request_id)
         return self._issued(handle)
@@ -236,12 +239,13 @@ class OffloadManager:
         Raises:
           ValueError: if the request has no host pages, or on anything
             :func:`~offload.prefetch_layer` rejects.
-          NotImplementedError: on pools split along the page axis or the layer axis.
+          NotImplementedError: on pools split along the layer axis.
         """
         slots = self._slots.get(request_id)
         if not slots:
             raise ValueError(
-                f"OffloadManager.prefetch: request_id: no host pages for {request_id!r}"
+                "OffloadManager.prefetch: request_id: expected a request with host pages, "
+                f"got {request_id!r}"
             )
         handle = prefetch_layer(self._host_pool, slots, layer=layer, request_id=request_id)
         return self._issued(handle)
@@ -260,7 +264,10 @@ class OffloadManager:
           ValueError: if the request has no host pages.
         """
         if request_id not in self._slots:
-            raise ValueError(f"OffloadManager.drop: request_id: no host pages for {request_id!r}")
+            raise ValueError(
+                "OffloadManager.drop: request_id: expected a request with host pages, "
+                f"got {request_id!r}"
+            )
         self._release(request_id)
 
     # -- host <-> disk -------------------------------------------------------------------------
@@ -298,7 +305,9 @@ class OffloadManager:
         store = self._require_disk(fn)
         slots = self._slots.get(request_id)
         if not slots:
-            raise ValueError(f"{fn}: request_id: no host pages for {request_id!r}")
+            raise ValueError(
+                f"{fn}: request_id: expected a request with host pages, got {request_id!r}"
+            )
         start = time.perf_counter()
         pool = self._host_pool
         shards = page_shards(pool.k_pages)
@@ -354,8 +363,8 @@ class OffloadManager:
                 or x.dtype != pool.k_pages.dtype
             ):
                 raise ValueError(
-                    f"{fn}: request_id: disk entry {request_id!r} array {name!r} does not match "
-                    f"the host pool {pool.k_pages.shape} {pool.k_pages.dtype}, got "
+                    f"{fn}: request_id: expected disk entry {request_id!r} array {name!r} shaped "
+                    f"like the host pool {pool.k_pages.shape} {pool.k_pages.dtype}, got "
                     f"{None if x is None else (x.shape, x.dtype)}"
                 )
         n = k.shape[-3]

@@ -185,7 +185,7 @@ def mixed_residency_attention(
         )
     if K == 0 or N % K:
         raise ValueError(
-            f"{fn}: q: expected a number of heads N={N} that kv heads K={K} divide (K >= 1)"
+            f"{fn}: k_pages: expected kv heads K >= 1 dividing q's N={N} heads, got K={K}"
         )
     check_table(fn, "device_table", device_table)
     if device_table.shape[0] != B:

@@ -296,3 +296,30 @@ def scatter_pages(target, pages, dst: np.ndarray):
     k = jax.make_array_from_single_device_arrays(shape, sharding, new[0])
     v = jax.make_array_from_single_device_arrays(shape, sharding, new[1])
     return jax.block_until_ready((k, v))
+
+
+def prefetch_per_shard(pool: jax.Array, layer: int, slots: np.ndarray):
+    """One layer of a pool split along the page axis, fetched device by device.
+
+    ``slots`` holds ``n / D`` slots of device block 0, then ``n / D`` of block 1, ...; each
+    device copies its own slots and the result ``[K, n, C, H]`` is split along ``n`` like the
+    pool is along its pages (the layout ``paged.sharded_paged_attention`` reads).
+
+    Returns:
+      ``(pages, markers)``.
+    """
+    shards = page_shards(pool)
+    per_slot, per_out = pool.shape[2] // shards, slots.size // shards
+    target = layer_sharding(pool.sharding)
+    arrays, markers = [], []
+    for shard in pool.addressable_shards:
+        lo = shard.index[2].start or 0
+        block = lo // per_slot
+        local = (slots[block * per_out : (block + 1) * per_out] - lo).astype(np.int32)
+        contiguous = bool(np.all(np.diff(local) == 1))
+        fetch = prefetch_fn(as_named(shard.data.sharding), contiguous, False)
+        pages, marker = fetch(_named_shard(shard), np.int32(layer), local)
+        arrays.append(pages)
+        markers.append(marker)
+    shape = (pool.shape[1], slots.size, *pool.shape[3:])
+    return jax.make_array_from_single_device_arrays(shape, target, arrays), markers

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from offload._policies import units_by_length
+from offload._policies import Selection, units_by_length
 from offload._retention import RetentionPolicy, budget_units
 
 __all__ = ["select_keep_reference", "update_policy_state_reference"]
@@ -33,10 +33,11 @@ def update_policy_state_reference(scores, mass, *, policy: RetentionPolicy) -> n
 
 def select_keep_reference(
     scores, lengths, *, policy: RetentionPolicy, page_table=None, pinned=None, mode="demote"
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Numpy oracle of :func:`select_keep`: ``(keep, demote, drop)`` bool ``[B, U]``.
+) -> Selection:
+    """Numpy oracle of :func:`select_keep`: a :class:`Selection` of numpy bool ``[B, U]``.
 
-    Plain numpy loops for tests (not jittable).
+    Plain numpy loops for tests (not jittable); unpacks as ``keep, demote, drop`` like the
+    function it checks.
     """
     scores = np.asarray(scores, np.float32)
     B, U = scores.shape
@@ -65,4 +66,6 @@ def select_keep_reference(
         for u in ranked[k:]:
             evicted[b, u] = True
     none = np.zeros((B, U), bool)
-    return (keep, evicted, none) if mode == "demote" else (keep, none, evicted)
+    if mode == "demote":
+        return Selection(keep=keep, demote=evicted, drop=none)
+    return Selection(keep=keep, demote=none, drop=evicted)

@@ -30,8 +30,9 @@ replicated, split over kv heads, or split along the page axis over ``D`` devices
 layout of ``paged.sharded_paged_attention``). A pool split along the page axis has
 *per-device slots*: device ``d`` holds pages ``[d * P_d, (d + 1) * P_d)`` and host slots
 ``[d * S_d, (d + 1) * S_d)``, and each page moves only to a slot of its own device (a pair
-that would cross devices is a ``ValueError``). :func:`prefetch_layer` does not support such
-pools (its result would be spread over devices unevenly): ``NotImplementedError``.
+that would cross devices is a ``ValueError``). :func:`prefetch_layer` of such a pool takes
+``n / D`` slots of each device block in block order and returns ``[K, n, C, H]`` split along
+``n`` the same way (each device fetches its own pages); ``into`` is not supported there.
 """
 
 import jax
@@ -47,7 +48,7 @@ from offload._host_pool import (
     check_match,
     page_shards,
 )
-from offload._page_copy import check_same_shards, copy_pages, prefetch_fn
+from offload._page_copy import check_same_shards, copy_pages, prefetch_fn, prefetch_per_shard
 from offload._tiers import TransferHandle
 
 __all__ = ["page_in", "page_out", "prefetch_layer"]
@@ -190,7 +191,9 @@ def prefetch_layer(
 
     Args:
       host_pool: a :class:`~offload.HostPagePool` with arrays ``[L, K, P_host, C, H]``.
-      host_slots: ``[n]`` host slots in ``[0, P_host)``, in the order wanted on device.
+      host_slots: ``[n]`` host slots in ``[0, P_host)``, in the order wanted on device; for a
+        pool split along the page axis over ``D`` devices, ``n / D`` slots of device block 0,
+        then of block 1, ... (the result is split along ``n`` the same way).
       layer: the layer index in ``[0, L)``: an int or numpy integer (a float is rejected,
         never truncated).
       into: optional staging buffers ``(k, v)``, each ``[K, n, C, H]`` on device, donated and
@@ -208,7 +211,8 @@ def prefetch_layer(
       ValueError: if the pool is not rank 5, ``layer`` is not an int in range,
         ``host_slots`` is not a non-empty 1-D integer sequence in range, or ``into`` is not a
         pair of ``[K, n, C, H]`` arrays of the pool's dtype.
-      NotImplementedError: if the pool is sharded over its layer axis or its page axis.
+      NotImplementedError: if the pool is sharded over its layer axis, or ``into`` is given
+        for a pool split along the page axis.
 
     Example:
       >>> k = jnp.ones((2, 4, 8, 16, 32)); host = make_host_page_pool(k, k, 64)
@@ -227,11 +231,28 @@ def prefetch_layer(
     slots = check_ids(fn, "host_slots", host_slots, host_pool.num_slots)
     if slots.size == 0:
         raise ValueError(f"{fn}: host_slots: expected at least one slot, got none")
-    if page_shards(host_pool.k_pages) > 1:
-        raise NotImplementedError(
-            f"{fn}: host_pool: pools split along the page axis are not supported (their slots "
-            f"live on {page_shards(host_pool.k_pages)} devices, so one layer's pages would be "
-            "spread over them unevenly); use page_in into the split device pool instead"
+    shards = page_shards(host_pool.k_pages)
+    if shards > 1:
+        if into is not None:
+            raise NotImplementedError(
+                f"{fn}: into: staging buffers for a pool split along the page axis are not "
+                "supported, got a pair (leave into=None)"
+            )
+        per_slot = host_pool.num_slots // shards
+        blocks = slots // per_slot
+        per_out = slots.size // shards
+        expected = np.arange(slots.size) // max(per_out, 1)
+        if slots.size % shards or np.any(blocks != expected):
+            raise ValueError(
+                f"{fn}: host_slots: expected n / {shards} slots of each device block in block "
+                f"order (the pool is split along its pages over {shards} devices and so is the "
+                f"result), got slots {slots.tolist()} in blocks {blocks.tolist()}"
+            )
+        k, mk = prefetch_per_shard(host_pool.k_pages, layer, slots)
+        v, mv = prefetch_per_shard(host_pool.v_pages, layer, slots)
+        nbytes = slots.size * host_pool.page_nbytes // num_layers
+        return TransferHandle(
+            (k, v), "host_to_device", nbytes, request_id=request_id, done=tuple(mk + mv)
         )
     if into is not None:
         want = (host_pool.k_pages.shape[1], slots.size, *host_pool.k_pages.shape[-2:])

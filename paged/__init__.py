@@ -4,7 +4,9 @@ Shape legend (shared with ``ringattn``):
 
 ====  ==========================================
 B     batch
-T     query length
+T     query length (per sequence)
+Q     query rows of a ragged batch (all sequences' tokens, concatenated)
+S     key/value length, ``M * C`` for a gathered sequence
 N     query heads
 K     key/value heads
 H     head dim
@@ -12,6 +14,7 @@ P     pages in a pool (page 0 is the reserved null page)
 C     tokens per page (a power of two)
 M     pages per sequence (page-table width)
 L     layers
+D     devices along ``seq_axis`` (sharded pools)
 ====  ==========================================
 
 Host side: ``PageAllocator`` (free list, reference counts, prefix caching, copy-on-write

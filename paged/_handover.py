@@ -121,14 +121,16 @@ class DeviceHandOver(PoolState):
             for page in new_pages:
                 if page not in self._reserved or page in taken:
                     raise ValueError(
-                        f"{fn}: page_table[{row}]: page {page} is not a reserved page available to "
-                        f"{seq!r} (not reserved, or taken by another row)"
+                        f"{fn}: page_table[{row}]: expected reserved pages available to "
+                        f"{seq!r} after its own, got page {page} (not reserved, or taken by "
+                        "another row)"
                     )
                 taken.add(page)
             if self._needs_copy(record, new_length):
                 raise ValueError(
-                    f"{fn}: lengths[{row}]: {seq!r} grew into its shared partial page "
-                    f"{record.pages[-1]}; extend it on the host before a device loop"
+                    f"{fn}: lengths[{row}]: expected {seq!r} not to grow into its shared "
+                    f"partial page {record.pages[-1]} (extend it on the host before a device "
+                    f"loop), got {new_length}"
                 )
             tokens = None
             if token_ids is not None and token_ids[row] is not None:

@@ -185,11 +185,13 @@ def test_errors(tmp_path):
         store.put("a", {"manifest": np.zeros(2)})
     with pytest.raises(ValueError, match=r"DiskStore.put: arrays: expected at most budget_bytes"):
         store.put("a", {"k": np.zeros(100)})
-    with pytest.raises(ValueError, match=r"DiskStore.get: key: no entry 'a'"):
+    with pytest.raises(ValueError, match=r"DiskStore.get: key: expected a stored key, got 'a'"):
         store.get("a")
-    with pytest.raises(ValueError, match=r"DiskStore.delete: key: no entry 'a'"):
+    with pytest.raises(ValueError, match=r"DiskStore.delete: key: expected a stored key, got 'a'"):
         store.delete("a")
-    with pytest.raises(ValueError, match=r"DiskStore.entry_nbytes: key: no entry 'a'"):
+    with pytest.raises(
+        ValueError, match=r"DiskStore.entry_nbytes: key: expected a stored key, got 'a'"
+    ):
         store.entry_nbytes("a")
     with pytest.raises(ValueError, match=r"DiskStore.path: key: expected 1-128 characters"):
         store.path("")
@@ -260,16 +262,20 @@ def test_manager_disk_budget_and_errors(tmp_path):
     assert manager.disk.keys() == ["b", "d"]
     assert manager.stats.tier_bytes("disk", request_id="a") == 0
     assert manager.stats.tier_bytes("disk") == manager.disk.nbytes
-    with pytest.raises(ValueError, match=r"DiskStore.get: key: no entry 'a'"):
+    with pytest.raises(ValueError, match=r"DiskStore.get: key: expected a stored key, got 'a'"):
         manager.restore("a")
-    with pytest.raises(ValueError, match=r"spill: request_id: no host pages for 'a'"):
+    with pytest.raises(
+        ValueError, match=r"spill: request_id: expected a request with host pages, got 'a'"
+    ):
         manager.spill("a")
     manager.wait(manager.page_out(k, v, [5, 6, 7], request_id="e"))
     with pytest.raises(ValueError, match=r"restore: request_id: expected at most 0 pages"):
         manager.restore("b")
     manager.drop("e")
     manager.disk.put("odd", {"k": np.zeros((2, 2, 1, 4, 8), np.float32)})
-    with pytest.raises(ValueError, match=r"restore: request_id: disk entry 'odd' array 'k'"):
+    with pytest.raises(
+        ValueError, match=r"restore: request_id: expected disk entry 'odd' array 'k'"
+    ):
         manager.restore("odd")
 
 

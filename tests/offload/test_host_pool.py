@@ -297,11 +297,17 @@ def test_manager_errors():
         OffloadManager(manager.host_pool, disk="/tmp")
     with pytest.raises(ValueError, match=r"page_out: page_ids: expected at most 2 pages"):
         manager.page_out(k, v, [1, 2, 3], request_id="a")
-    with pytest.raises(ValueError, match=r"page_in: request_id: no host pages for 'a'"):
+    with pytest.raises(
+        ValueError, match=r"page_in: request_id: expected a request with host pages, got 'a'"
+    ):
         manager.page_in(k, v, [1], request_id="a")
-    with pytest.raises(ValueError, match=r"prefetch: request_id: no host pages for 'a'"):
+    with pytest.raises(
+        ValueError, match=r"prefetch: request_id: expected a request with host pages, got 'a'"
+    ):
         manager.prefetch(layer=0, request_id="a")
-    with pytest.raises(ValueError, match=r"drop: request_id: no host pages for 'a'"):
+    with pytest.raises(
+        ValueError, match=r"drop: request_id: expected a request with host pages, got 'a'"
+    ):
         manager.drop("a")
     with pytest.raises(ValueError, match=r"wait: handle: expected a TransferHandle, got int"):
         manager.wait(1)

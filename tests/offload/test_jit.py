@@ -109,7 +109,9 @@ def test_degenerate_shapes_rejected_with_named_argument():
         token_attention_mass(q, k[:, :, :0], lengths)
     with pytest.raises(ValueError, match=r"mixed_residency_attention: k_pages: expected non-zero"):
         mixed_residency_attention(q[..., :0], pages[..., :0], pages[..., :0], table, lengths)
-    with pytest.raises(ValueError, match=r"mixed_residency_attention: q: expected a number of"):
+    with pytest.raises(
+        ValueError, match=r"mixed_residency_attention: k_pages: expected kv heads K >= 1 .* got K=0"
+    ):
         mixed_residency_attention(q, pages[:0], pages[:0], table, lengths)
     with pytest.raises(ValueError, match=r"token_attention_mass: scale: expected a float in"):
         token_attention_mass(q, k, lengths, scale=0.0)

@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -32,6 +34,7 @@ LAYOUTS = {
     "layer-pages": (False, (D,), ("seq",), lambda r: P(None, "seq")),
     "stacked-pages": (True, (D,), ("seq",), lambda r: P(None, None, "seq")),
     "layer-pages-2d": (False, (2, D), ("data", "seq"), lambda r: P(None, "seq")),
+    "stacked-heads-pages": (True, (2, D), ("kv", "seq"), lambda r: P(None, "kv", "seq")),
 }
 
 
@@ -60,11 +63,17 @@ def _page_pairs(n_shards):
     return np.array(ids)[order], np.array(slots)[order]
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-@pytest.mark.parametrize("name", list(LAYOUTS))
+CASES = [
+    pytest.param(name, axis_type, id=f"{name}-{axis_type.name}")
+    for name in LAYOUTS
+    for axis_type in (
+        [AxisType.Auto] if LAYOUTS[name][1] is None else [AxisType.Auto, AxisType.Explicit]
+    )
+]
+
+
+@pytest.mark.parametrize(("name", "axis_type"), CASES)
 def test_round_trip_every_layout(name, axis_type):
-    if LAYOUTS[name][1] is None and axis_type == AxisType.Explicit:
-        pytest.skip("no mesh")
     k, v = _pools(name, axis_type)
     host = make_host_page_pool(k, v, SLOTS)
     assert host.k_pages.sharding.memory_kind == "pinned_host"
@@ -88,10 +97,14 @@ def test_round_trip_every_layout(name, axis_type):
     expect_v[..., targets, :, :] = np.asarray(host.v_pages)[..., slots, :, :]
     np.testing.assert_array_equal(np.asarray(k2), expect_k)
     np.testing.assert_array_equal(np.asarray(v2), expect_v)
-    if k.ndim == 5 and not split:
-        pk, pv = wait(prefetch_layer(host, slots, layer=1))
-        np.testing.assert_array_equal(np.asarray(pk), np.asarray(k)[1][:, ids])
-        np.testing.assert_array_equal(np.asarray(pv), np.asarray(v)[1][:, ids])
+    if k.ndim == 5:
+        order = np.argsort(slots // (SLOTS // host.page_shards), kind="stable")  # block order
+        pk, pv = wait(prefetch_layer(host, slots[order], layer=1))
+        np.testing.assert_array_equal(np.asarray(pk), np.asarray(k)[1][:, ids[order]])
+        np.testing.assert_array_equal(np.asarray(pv), np.asarray(v)[1][:, ids[order]])
+        if split:  # split along n like the pool along its pages
+            assert tuple(pk.sharding.spec)[1] == "seq"
+            assert pk.sharding.memory_kind == "device"
 
 
 @pytest.mark.parametrize("name", ["layer-pages", "stacked-pages"])
@@ -106,8 +119,13 @@ def test_page_split_pools_refuse_crossing_pairs_and_prefetch(name):
     with pytest.raises(ValueError, match=r"make_host_page_pool: num_slots: expected a multiple"):
         make_host_page_pool(k, v, SLOTS + 1)
     if k.ndim == 5:
-        with pytest.raises(NotImplementedError, match=r"split along the page axis"):
-            prefetch_layer(host, [0], layer=0)
+        with pytest.raises(ValueError, match=r"prefetch_layer: host_slots: expected n / 4 slots"):
+            prefetch_layer(host, [0], layer=0)  # one slot: not n / D of each block
+        with pytest.raises(ValueError, match=r"prefetch_layer: host_slots: expected n / 4 slots"):
+            prefetch_layer(host, [2, 0, 4, 6], layer=0)  # blocks out of order
+        staging = jnp.zeros((K, D, C, H))
+        with pytest.raises(NotImplementedError, match=r"prefetch_layer: into: staging buffers"):
+            prefetch_layer(host, [0, 2, 4, 6], layer=0, into=(staging, staging))
 
 
 def test_page_split_pool_mismatched_host_pool():
@@ -192,3 +210,53 @@ def test_manager_spill_and_restore_page_split_pool(tmp_path):
                                "block": np.zeros(3, np.int32)})  # fmt: skip
     with pytest.raises(ValueError, match=r"restore: request_id: expected at most 0 pages of"):
         manager.restore("crowd")
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["out", "in", "drop"]),
+            st.sampled_from("abc"),
+            st.lists(st.integers(0, PAGES - 1), min_size=1, max_size=3, unique=True),
+        ),
+        max_size=8,
+    )
+)
+@settings(max_examples=10, deadline=None)
+def test_manager_on_page_split_pool_matches_a_model(ops):
+    """Random page-outs, page-ins and drops on a page-split pool: per-device slots, data kept."""
+    k, v = _pools("stacked-pages", seed=6)
+    manager = OffloadManager(make_host_page_pool(k, v, SLOTS))
+    per_page, per_slot = PAGES // D, SLOTS // D
+    owned: dict[str, list[int]] = {}
+    device = (jnp.zeros_like(k), jnp.zeros_like(v))
+    for op, request, ids in ops:
+        blocks = np.bincount(np.array(ids) // per_page, minlength=D)
+        free = np.bincount(np.array(manager_free(manager)) // per_slot, minlength=D)
+        if op == "out" and np.all(blocks <= free):
+            manager.page_out(k, v, ids, request_id=request)
+            owned.setdefault(request, []).extend(ids)
+        elif op == "out":
+            with pytest.raises(ValueError, match=r"expected at most \d+ pages of device block"):
+                manager.page_out(k, v, ids, request_id=request)
+        elif op == "in" and request in owned:
+            targets = owned.pop(request)  # back to the same device pages
+            device = manager.wait(manager.page_in(*device, targets, request_id=request))
+            np.testing.assert_array_equal(
+                np.asarray(device[0])[..., targets, :, :], np.asarray(k)[..., targets, :, :]
+            )
+        elif op == "drop" and request in owned:
+            manager.drop(request)
+            del owned[request]
+        for request, pages in owned.items():
+            slots = manager.host_slots(request)
+            np.testing.assert_array_equal(slots // per_slot, np.array(pages) // per_page)
+        held = [s for r in owned for s in manager.host_slots(r)]
+        assert len(held) == len(set(held)) and manager.free_slots + len(held) == SLOTS
+    manager.poll()
+
+
+def manager_free(manager):
+    """The manager's free slots (all slots minus those its requests hold)."""
+    held = {s for r in "abc" for s in manager.host_slots(r).tolist()}
+    return [s for s in range(SLOTS) if s not in held]

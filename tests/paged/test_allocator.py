@@ -518,11 +518,11 @@ def loop_state():
         ),
         (
             dict(table=lambda t, s: t.__setitem__((0, 2), 15) or t),
-            r"page_table\[0\]: page 15 is not a reserved page",
+            r"page_table\[0\]: expected reserved pages .*got page 15 \(not reserved",
         ),
         (
             dict(table=lambda t, s: t.__setitem__((1, 1), s[0]) or t, lengths=[5, 3]),
-            r"page_table\[1\]: page .* taken by another row",
+            r"page_table\[1\]: expected reserved pages .* taken by another row",
         ),
         (dict(unused=lambda s: s[:1]), "unused: expected distinct reserved pages"),
         (dict(unused=lambda s: [s[1], s[1]]), "unused: expected distinct reserved pages"),
@@ -562,7 +562,9 @@ def test_settle_refuses_growth_into_a_shared_partial_page():
     alloc.allocate("a", 3)
     alloc.fork("a", "b", lazy=True)
     stack = alloc.reserve(1)
-    with pytest.raises(ValueError, match=r"lengths\[0\]: 'a' grew into its shared partial page"):
+    with pytest.raises(
+        ValueError, match=r"lengths\[0\]: expected 'a' not to grow into its shared partial page"
+    ):
         alloc.settle(["a"], alloc.page_table(["a"]), np.array([4]))
     alloc.extend("a", 3)  # no growth: no copy either
     assert len(alloc.extend("a", 4).src) == 1  # the host-side copy-on-write

@@ -326,3 +326,41 @@ def test_ragged_errors(change, match):
     num_seqs = change.pop("num_seqs", 1)
     with pytest.raises(ValueError, match=match):
         ragged_paged_attention(q, k, v, t, lengths, cu, num_seqs, **change)
+
+
+def test_zero_based_tables_from_jax_convert_with_one_shift():
+    """A JAX-style pool (page 0 an ordinary page, here holding real tokens) gives the same
+    answer as JAX's reference after ``from_zero_based_table`` and one null page in front."""
+    kernel = pytest.importorskip(
+        "jax.experimental.pallas.ops.tpu.ragged_paged_attention",
+        reason="JAX's ragged paged attention reference is not importable on this JAX",
+    )
+    from paged import from_zero_based_table
+
+    rng = np.random.default_rng(11)
+    N, K, H, C, P = 4, 2, 8, 4, 5
+    kv = jnp.asarray(rng.standard_normal((P, C, 2 * K, H)), jnp.float32)  # JAX layout
+    table = np.array([[0, 3, 1], [4, 2, 0]], np.int32)  # page 0 used by sequence 0
+    lengths = np.array([10, 6], np.int32)
+    cu = np.array([0, 2, 3], np.int32)
+    num_seqs = np.array([2], np.int32)
+    q = jnp.asarray(rng.standard_normal((3, N, H)), jnp.float32)
+    expected = jax.jit(
+        lambda q, kv: kernel.ref_ragged_paged_attention(
+            q, kv, lengths, table, cu, num_seqs, sm_scale=1 / np.sqrt(H)
+        )
+    )(q, kv)
+    # Ours: heads-major [K, P, C, H] pools, one null page in front, ids shifted by one.
+    k_pages = kv[:, :, 0::2].transpose(2, 0, 1, 3)
+    v_pages = kv[:, :, 1::2].transpose(2, 0, 1, 3)
+    pad = ((0, 0), (1, 0), (0, 0), (0, 0))
+    out = ragged_paged_attention(
+        q,
+        jnp.pad(k_pages, pad),
+        jnp.pad(v_pages, pad),
+        from_zero_based_table(table),
+        lengths,
+        cu,
+        num_seqs,
+    ).out
+    assert_close(out, expected, dtype=jnp.float32, what="zero-based table converted")

@@ -225,7 +225,7 @@ def test_reference_defaults_are_the_kernel_defaults():
 # ------------------------------------------------------------------ masked keys have no effect
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     poison=st.sampled_from([np.nan, np.inf, -np.inf]),
