@@ -190,7 +190,10 @@ for strategy in ("allgather", "ulysses"):
 # The host-side `PageAllocator` hands out pages (page 0 is the reserved null page) and
 # produces the page table; the jittable `PagedKVCache` stores K/V heads-major
 # `[L, K, P, C, H]`. The long sequence's KV from section 2 is written as the prefill of
-# sequence 0, a second sequence shares the pool.
+# sequence 0, a second sequence shares the pool. The allocator's life cycle is
+# admit (or allocate) -> write on the device -> commit -> extend / fork -> free: `commit` tells
+# it which tokens are written (prefix caching only reuses committed pages, and `stats()` counts
+# what is still uncommitted), and `extend` returns a `CopyPlan` that `copy_pages` runs.
 
 # %%
 import paged
@@ -208,6 +211,8 @@ cache = paged.init_paged_cache(1, K, 2 * M + 8, C, H, batch=B_DEC, max_pages_per
 cache = paged.with_page_table(cache, alloc.page_table(range(B_DEC)))  # host -> device hand-off
 cache = paged.write(cache, k_prefill[None], v_prefill[None], 0)  # [L=1, B, S, K, H]
 paged.validate(cache)
+for seq in range(B_DEC):
+    alloc.commit(seq)  # the prefill's KV is on the device
 
 decode = jax.jit(paged.paged_attention)
 k_all, v_all = k_prefill, v_prefill
@@ -223,6 +228,8 @@ for step in range(DECODE_STEPS):
     # The device's own lengths advance with `append`; the host only added pages.
     cache = paged.with_page_table(cache, alloc.page_table(range(B_DEC)))
     cache = paged.append(cache, k_new[None], v_new[None])
+    for seq in range(B_DEC):
+        alloc.commit(seq)
     out = decode(q_new, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths).out
     k_all = jnp.concatenate([k_all, k_new[:, None]], axis=1)
     v_all = jnp.concatenate([v_all, v_new[:, None]], axis=1)
@@ -233,9 +240,10 @@ for step in range(DECODE_STEPS):
 stats = alloc.stats()
 print(
     f"paged decode of {DECODE_STEPS} tokens for {B_DEC} sequences: max |err| vs dense "
-    f"{err_paged:.1e}; pages used {stats.pages_used}, waste {stats.waste:.2%}"
+    f"{err_paged:.1e}; pages used {stats.pages_used}, waste {stats.waste:.2%}, "
+    f"tokens not committed {stats.tokens_uncommitted}"
 )
-assert err_paged < 1e-5
+assert err_paged < 1e-5 and stats.tokens_uncommitted == 0
 
 # %% [markdown]
 # ## 4. Offload: keep a budget of pages on device, demote the rest to host memory
