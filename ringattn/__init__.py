@@ -21,6 +21,11 @@ validator, :func:`resolve_mask`), plus ``segment_ids=SegmentIds(q, kv)``,
 :func:`apply_sinks`). Options are static: jit with ``functools.partial`` or
 ``static_argnames``.
 
+Arbitrary static boolean masks (:class:`DenseMask`, combined with ``|`` / ``&``, as splash
+attention's ``NumpyMask`` / ``LogicalOr``) go through ``MaskSpec(dense=...)`` and are supported
+by :func:`attention_reference` and :func:`blockwise_attention` (block skipping computed from
+the mask); the distributed paths raise ``NotImplementedError`` for them.
+
 Guarantees: a key that no query may see (causal future, another segment, outside the window,
 a decode slot beyond ``lengths``, padding) has no effect on any output or gradient, even if it
 holds NaN or inf; a row that sees nothing gives ``out = 0``, ``lse = -inf``.
@@ -43,6 +48,7 @@ from ringattn._decode import (
     decode_attention_per_shard,
     sharded_decode_attention,
 )
+from ringattn._dense_mask import DenseMask
 from ringattn._layout import LAYOUTS, from_layout, shard_positions, to_layout
 from ringattn._online_softmax import (
     AttentionOutput,
@@ -63,6 +69,7 @@ __all__ = [
     # options and results
     "AttentionOutput",
     "BlockSizes",
+    "DenseMask",
     "MaskSpec",
     "Positions",
     "SegmentIds",

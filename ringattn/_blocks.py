@@ -4,8 +4,9 @@ Every ``(query block, key block)`` pair is classified from per-block position an
 ranges as *empty* (skipped: no compute), *full* (no mask needed) or *partial* (masked
 elementwise). The classification is dynamic, so it also skips work for arbitrary positions: a
 ring hop whose block lies in the causal future, a zigzag layout, a sliding window, packed
-documents. With one window per query head a pair is live if it is live for the widest window
-and full only if it is full for the narrowest.
+documents. With one window per query head (a traced ``[B, K, G]`` int32 table, ``0`` for a
+head without a window, so head-sharded strategies can slice it per device) a pair is live if
+it is live for the widest window and full only if it is full for the narrowest.
 
 Masked keys have no effect: in a partial block, logits of hidden pairs are replaced (``where``)
 by ``-inf``, and keys and values that no query of the block may see are replaced by zeros
@@ -63,16 +64,40 @@ def _block_ranges(ids, block: int):
     return jnp.min(blocks, axis=(0, 2)), jnp.max(blocks, axis=(0, 2))
 
 
-class Summaries:
-    """Per-block ranges of positions (and segment ids) used to classify block pairs."""
+_NO_WINDOW = np.iinfo(np.int32).max // 2
 
-    def __init__(self, q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv):
+
+def window_table(windows, B: int, K: int):
+    """``[N]`` per-query-head windows (``0`` = none) → the kernels' ``[B, K, G]`` int32 table."""
+    windows = jnp.asarray(windows, jnp.int32)
+    return jnp.broadcast_to(windows.reshape(K, -1), (B, K, windows.shape[0] // K))
+
+
+class Summaries:
+    """Per-block ranges of positions (and segment ids) used to classify block pairs.
+
+    ``windows``: the ``[B, K, G]`` per-head window table, or None (``cfg.mask``'s window).
+    """
+
+    def __init__(self, q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv, windows, dense):
         self.q_pos = _block_ranges(q_pos, block_q)
         self.kv_pos = _block_ranges(kv_pos, block_kv)
         self.segments = q_seg is not None
         if self.segments:
             self.q_seg = _block_ranges(q_seg, block_q)
             self.kv_seg = _block_ranges(kv_seg, block_kv)
+        self.windows = windows is not None
+        if self.windows:
+            self.any_unbounded = jnp.any(windows == 0)
+            self.all_unbounded = jnp.all(windows == 0)
+            self.widest = jnp.max(windows)
+            self.narrowest = jnp.min(jnp.where(windows == 0, _NO_WINDOW, windows))
+        self.dense = None  # the DenseMask padded to [Tp, Sp], and its per-block any/all
+        if dense is not None:
+            Tp, Sp = q_pos.shape[1], kv_pos.shape[1]
+            table_any, table_all = dense.block_table(Tp, Sp, block_q, block_kv)
+            self.dense = jnp.asarray(dense.padded(Tp, Sp))
+            self.dense_any, self.dense_all = jnp.asarray(table_any), jnp.asarray(table_all)
 
     def kind(self, cfg: KernelConfig, i, j):
         """EMPTY, FULL or PARTIAL for query block ``i`` against key block ``j``."""
@@ -83,11 +108,15 @@ class Summaries:
         if cfg.mask.causal:
             live &= qmax >= kmin
             full &= qmin >= kmax
-        widest, narrowest = cfg.mask.widest_window, cfg.mask.narrowest_window
-        if widest is not None:
-            live &= kmax > qmin - widest
-        if narrowest is not None:
-            full &= kmin > qmax - narrowest
+        if self.windows:
+            live &= self.any_unbounded | (kmax > qmin - self.widest)
+            full &= self.all_unbounded | (kmin > qmax - self.narrowest)
+        elif cfg.mask.window is not None:
+            live &= kmax > qmin - cfg.mask.uniform_window
+            full &= kmin > qmax - cfg.mask.uniform_window
+        if self.dense is not None:
+            live &= self.dense_any[i, j]
+            full &= self.dense_all[i, j]
         if self.segments:
             qsmin, qsmax = self.q_seg[0][i], self.q_seg[1][i]
             ksmin, ksmax = self.kv_seg[0][j], self.kv_seg[1][j]
@@ -96,11 +125,12 @@ class Summaries:
         return jnp.where(live, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
 
 
-def block_mask(cfg: KernelConfig, K: int, G: int, q_pos, kv_pos, q_seg, kv_seg, kv_start):
+def block_mask(cfg: KernelConfig, summ, windows, q_pos, kv_pos, q_seg, kv_seg, q_start, kv_start):
     """Visibility of one block pair, broadcastable to the logits ``[B, K, G, bq, bk]``.
 
-    ``[B, 1, 1, bq, bk]``, or ``[B, K, G, bq, bk]`` with one window per query head; padding
-    keys (index ``>= kv_len``) are hidden.
+    ``[B, 1, 1, bq, bk]``, or ``[B, K, G, bq, bk]`` with the per-head window table
+    ``windows [B, K, G]``; padding keys (index ``>= kv_len``) are hidden; the block of the
+    dense mask (``summ.dense``) is ANDed in.
     """
     qp = q_pos[:, :, None]
     kp = kv_pos[:, None, :]
@@ -111,15 +141,16 @@ def block_mask(cfg: KernelConfig, K: int, G: int, q_pos, kv_pos, q_seg, kv_seg, 
         mask &= kp <= qp
     if q_seg is not None:
         mask &= q_seg[:, :, None] == kv_seg[:, None, :]
-    if not spec.per_head:
-        if spec.uniform_window is not None:
+    if summ.dense is not None:
+        bq, bk = qp.shape[1], kp.shape[-1]
+        mask &= lax.dynamic_slice(summ.dense, (q_start, kv_start), (bq, bk))[None]
+    if windows is None:
+        if spec.window is not None:
             mask &= kp > qp - spec.uniform_window
         return mask[:, None, None]
-    windows = spec.windows(K * G)
-    w = np.asarray([0 if x is None else x for x in windows], np.int32).reshape(K, G)
-    has = np.asarray([x is not None for x in windows]).reshape(K, G)
-    in_window = kp[:, None, None] > qp[:, None, None] - w[None, :, :, None, None]
-    return mask[:, None, None] & (in_window | ~has[None, :, :, None, None])
+    w = windows[:, :, :, None, None]
+    in_window = (w == 0) | (kp[:, None, None] > qp[:, None, None] - w)
+    return mask[:, None, None] & in_window
 
 
 def visible_keys(mask):

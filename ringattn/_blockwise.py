@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ringattn._blocks import window_table
 from ringattn._checks import FloatLike, IntLike, check_int, describe, fail
 from ringattn._heads_major import attention_backward, attention_delta, attention_forward
 from ringattn._online_softmax import AttentionOutput, apply_sinks
@@ -43,10 +44,11 @@ class BlockSizes:
     L2 cache of a CPU core for ``N = 8``.
     """
 
-    block_q: int = 512
-    block_kv: int = 512
-    block_q_bwd: int | None = None
-    block_kv_bwd: int | None = None
+    # Annotated with what __init__ accepts; __post_init__ stores Python ints.
+    block_q: IntLike = 512
+    block_kv: IntLike = 512
+    block_q_bwd: IntLike | None = None
+    block_kv_bwd: IntLike | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -81,21 +83,21 @@ def empty_attention(q, k, v) -> AttentionOutput:
     return AttentionOutput(out, lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, block_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes):
     out, lse = attention_forward(
-        q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask=mask, blocks=block_sizes.forward
+        q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask=mask, blocks=block_sizes.forward
     )
     return out.astype(q.dtype), lse
 
 
-def _attention_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, block_sizes):
-    out, lse = _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, block_sizes)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+def _attention_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes):
+    out, lse = _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes)
+    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse)
 
 
 def _attention_bwd(mask, block_sizes, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse = residuals
     dout, dlse = cotangents
     delta = attention_delta(out, dout, dlse)
     dq, dk, dv = attention_backward(
@@ -106,21 +108,43 @@ def _attention_bwd(mask, block_sizes, residuals, cotangents):
         kv_pos,
         q_seg,
         kv_seg,
+        windows,
         lse,
         dout,
         delta,
         mask=mask,
         blocks=block_sizes.backward,
     )
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+    ints = (None,) * 5
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def head_windows(spec: MaskSpec, num_heads: int):
+    """``[N]`` int32 per-head windows (``0``: none) when ``spec.per_head``, else None."""
+    if not spec.per_head:
+        return None
+    return np.asarray([0 if w is None else w for w in spec.windows(num_heads)], np.int32)
+
+
+def local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, spec, block_sizes):
+    """Blockwise ``(out, lse)`` on validated inputs (positions filled in).
+
+    ``windows``: ``[N]`` per-head windows of THESE query heads (traced or numpy), or None.
+    Used by :func:`blockwise_attention` and by the strategies of ``sharded_attention``,
+    which slice the windows of their local heads.
+    """
+    B, _, N, _ = q.shape
+    table = None if windows is None else window_table(windows, B, k.shape[2])
+    return _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, spec, block_sizes)
+
+
 @functools.partial(jax.jit, static_argnums=(8, 9))
 def _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, mask, block_sizes):
-    out, lse = _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, block_sizes)
+    windows = head_windows(mask, q.shape[2])
+    out, lse = local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes)
     return apply_sinks(out, lse, sinks)
 
 
@@ -201,6 +225,7 @@ def blockwise_attention(
         segment_ids=segment_ids,
         positions=positions,
         sinks=sinks,
+        dense_ok=True,
     )
     block_sizes = check_block_sizes(fn, block_sizes)
     if B == 0 or T == 0 or S == 0:

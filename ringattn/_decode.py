@@ -28,7 +28,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ringattn._blockwise import blockwise_attention
+from ringattn._blockwise import blockwise_attention, empty_attention
 from ringattn._checks import FloatLike, IntLike, check_ids, describe, fail
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
@@ -338,8 +338,6 @@ def sharded_decode_attention(
     if lengths is not None:
         lengths = check_ids(fn, "lengths", jnp.asarray(lengths), (B,))
     if B == 0 or T == 0 or S == 0:
-        from ringattn._blockwise import empty_attention
-
         return apply_sinks(*empty_attention(q, k, v), sinks)
     kv_pos = pos.kv
     q_pos = pos.q

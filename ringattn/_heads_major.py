@@ -58,10 +58,11 @@ def make_kernel_config(
     return cfg, round_up(T, bq), round_up(S, bk)
 
 
-def attention_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSpec, blocks):
+def attention_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, *, mask: MaskSpec, blocks):
     """Canonical-layout forward: ``(out [B, T, N, H] float32, lse [B, T, N] float32)``.
 
-    ``blocks`` is ``(block_q, block_kv)``.
+    ``windows`` is the ``[B, K, G]`` per-head window table or None; ``blocks`` is
+    ``(block_q, block_kv)``.
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -74,6 +75,7 @@ def attention_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSpec, 
         pad_ids(kv_pos, Sp),
         pad_ids(q_seg, Tp),
         pad_ids(kv_seg, Sp),
+        windows,
         cfg,
     )
     return q_from_heads_major(out, T), q_from_heads_major(lse, T)
@@ -86,7 +88,7 @@ def attention_delta(out, dout, dlse):
 
 
 def attention_backward(
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, *, mask: MaskSpec, blocks
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, *, mask: MaskSpec, blocks
 ):
     """Canonical-layout backward for one key set: float32 ``(dq, dk, dv)``.
 
@@ -105,6 +107,7 @@ def attention_backward(
         pad_ids(kv_pos, Sp),
         pad_ids(q_seg, Tp),
         pad_ids(kv_seg, Sp),
+        windows,
         q_to_heads_major(lse, K, Tp),
         q_to_groups(dout, K, Tp),
         q_to_heads_major(delta, K, Tp),

@@ -27,22 +27,22 @@ from ringattn._varying import cast_varying, varying_axes
 
 
 def update_backward_heads_major(
-    dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, cfg: KernelConfig
+    dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, cfg
 ):
     """:func:`_update_backward`, with ``vmap`` folded into the batch axis."""
     kernel = fold_vmap(functools.partial(_update_backward, cfg=cfg))
-    return kernel(dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta)
+    return kernel(dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta)
 
 
 def _update_backward(
-    dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, cfg: KernelConfig
+    dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, cfg
 ):
     """Adds one key set's blockwise gradients to float32 accumulators, in place.
 
     Args:
       dq: ``[B, K, G, Tp, H]`` float32 accumulator of the query gradient.
       dkv: ``[B, K, Sp, 2H]`` float32 accumulator of ``concat([dk, dv], -1)`` for this key set.
-      qg, kh, vh, positions, segments: as in
+      qg, kh, vh, positions, segments, windows: as in
         :func:`ringattn._kernels_forward.update_forward_heads_major`.
       lse: ``[B, K, G, Tp]`` float32 log-sum-exp of the *complete* attention the gradient is
         for (for a ring hop, the global one): probabilities are ``exp(s - lse)``.
@@ -56,8 +56,10 @@ def _update_backward(
     Sp = kh.shape[2]
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, Sp // bk
-    summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk)
-    axes = varying_axes(dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta)
+    summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk, windows, cfg.mask.dense)
+    axes = varying_axes(
+        dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta
+    )
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
     softcap = cfg.mask.softcap
     zero_dq_blk = cast_varying(jnp.zeros((B, K, G, bq, H), jnp.float32), axes)
@@ -78,7 +80,7 @@ def _update_backward(
             if masked:
                 qp = dslice(q_pos, i * bq, bq, 1)
                 qs = None if q_seg is None else dslice(q_seg, i * bq, bq, 1)
-                mask = block_mask(cfg, K, G, qp, kp, qs, ks, j * bk)
+                mask = block_mask(cfg, summ, windows, qp, kp, qs, ks, i * bq, j * bk)
                 k_blk, v_blk = hide_keys(mask, k_blk, v_blk)
             s, t = logits(cfg, q_blk, k_blk)  # [B, K, G, bq, bk]
             if masked:
@@ -131,7 +133,7 @@ def _update_backward(
 
 
 def backward_heads_major(
-    qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, cfg: KernelConfig
+    qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, cfg: KernelConfig
 ):
     """Blockwise backward on padded arrays (row-major queries, heads-major the rest).
 
@@ -143,6 +145,6 @@ def backward_heads_major(
     dq = jnp.zeros((B, K, G, Tp, H), jnp.float32)
     dkv = jnp.zeros((B, K, Sp, 2 * H), jnp.float32)
     dq, dkv = update_backward_heads_major(
-        dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, lse, dout, delta, cfg
+        dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, cfg
     )
     return dq, dkv[..., :H], dkv[..., H:]

@@ -44,15 +44,15 @@ def init_forward_state(qg) -> OnlineSoftmax:
 
 
 def update_forward_heads_major(
-    state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig
+    state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig
 ) -> OnlineSoftmax:
     """:func:`_update_forward`, with ``vmap`` folded into the batch axis (so it still skips)."""
     kernel = fold_vmap(functools.partial(_update_forward, cfg=cfg))
-    return kernel(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg)
+    return kernel(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
 
 
 def _update_forward(
-    state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig
+    state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig
 ) -> OnlineSoftmax:
     """Folds one key/value set into a running online-softmax state, block by block, in place.
 
@@ -62,6 +62,7 @@ def _update_forward(
       kh, vh: ``[B, K, Sp, H]``; ``Sp % cfg.block_kv == 0``.
       q_pos, q_seg: ``[B, Tp]`` int32 (``q_seg`` may be None).
       kv_pos, kv_seg: ``[B, Sp]`` int32 (``kv_seg`` may be None).
+      windows: ``[B, K, G]`` int32 per-query-head windows (``0``: none), or None.
 
     Returns:
       The state over all key sets so far. Each query block's rows are read, updated over the
@@ -71,7 +72,7 @@ def _update_forward(
     Sp = kh.shape[2]
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, Sp // bk
-    summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk)
+    summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk, windows, cfg.mask.dense)
 
     def one_q_block(i, state: OnlineSoftmax):
         q_blk = q_block(qg, i, bq)  # [B, K, G, bq, H]
@@ -84,7 +85,7 @@ def _update_forward(
             if masked:
                 kp = dslice(kv_pos, j * bk, bk, 1)
                 ks = None if kv_seg is None else dslice(kv_seg, j * bk, bk, 1)
-                mask = block_mask(cfg, K, G, qp, kp, qs, ks, j * bk)
+                mask = block_mask(cfg, summ, windows, qp, kp, qs, ks, i * bq, j * bk)
                 k_blk, v_blk = hide_keys(mask, k_blk, v_blk)
                 s = apply_mask(logits(cfg, q_blk, k_blk)[0], mask)
             else:
@@ -113,17 +114,17 @@ def _update_forward(
             l=lax.dynamic_update_slice_in_dim(state.l, block.l.reshape(B, K, G, bq), i * bq, 3),
         )
 
-    axes = varying_axes(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg)
+    axes = varying_axes(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
     return lax.fori_loop(0, nq, one_q_block, cast_varying(state, axes))
 
 
-def forward_heads_major(qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg: KernelConfig):
+def forward_heads_major(qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig):
     """Blockwise forward on padded arrays (heads-major keys, values and results).
 
     Returns:
       ``out [B, K, G, Tp, H]`` float32 and ``lse [B, K, G, Tp]`` float32.
     """
     state = update_forward_heads_major(
-        init_forward_state(qg), qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, cfg
+        init_forward_state(qg), qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
     )
     return finalize_online_softmax(state)

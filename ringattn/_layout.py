@@ -78,6 +78,9 @@ def to_layout(
     Returns:
       An array of ``x``'s shape and dtype with the sequence permuted.
 
+    ``layout``, ``num_shards`` and ``axis`` are static:
+    ``jax.jit(functools.partial(to_layout, layout="zigzag", num_shards=8))``.
+
     Raises:
       ValueError: for an unknown layout, a non-positive ``num_shards``, a bad ``axis``, or
         ``S`` not divisible by ``n`` (by ``2 n`` for ``"zigzag"``).
@@ -118,6 +121,8 @@ def from_layout(
 
     Returns:
       ``x`` with the sequence in global order.
+
+    Options are static, as for :func:`to_layout`.
 
     Raises:
       ValueError: as :func:`to_layout`.
@@ -167,6 +172,9 @@ def shard_positions(
 
     Returns:
       ``[T]`` int32 global positions, increasing.
+
+    Only ``shard_index`` may be traced (``jax.lax.axis_index``); bind the rest with
+    ``functools.partial`` to jit it.
 
     Raises:
       ValueError: for an unknown layout, non-positive ``num_shards`` or ``local_len``, an odd

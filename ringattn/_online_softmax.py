@@ -65,7 +65,10 @@ class OnlineSoftmax(NamedTuple):
 def init_online_softmax(
     shape: tuple[int | np.integer, ...], head_dim: int | np.integer
 ) -> OnlineSoftmax:
-    """An empty state for query rows of shape ``shape`` (``[..., T]``) and value dim ``H``."""
+    """An empty state for query rows of shape ``shape`` (``[..., T]``) and value dim ``H``.
+
+    ``shape`` and ``head_dim`` are static (bind them with ``functools.partial`` under jit).
+    """
     fn = "init_online_softmax"
     shape = tuple(check_int(fn, f"shape[{i}]", d, minimum=0) for i, d in enumerate(shape))
     head_dim = check_int(fn, "head_dim", head_dim, minimum=1)

@@ -34,9 +34,12 @@ from ringattn._checks import (
     check_float,
     check_ids,
     check_int,
+    check_qkv,
     describe,
     fail,
 )
+from ringattn._dense_mask import DenseMask
+from ringattn._online_softmax import check_sinks
 
 __all__ = [
     "MaskSpec",
@@ -58,6 +61,9 @@ class MaskSpec:
         can mix sliding-window and global heads.
       softcap: if set, logits become ``softcap * tanh(logits / softcap)``; ``> 0``.
       scale: logit scale; ``None`` means ``1 / sqrt(H)``.
+      dense: a static :class:`ringattn.DenseMask` ``[T, S]`` over query/key indices, ANDed
+        with the rest (only :func:`ringattn.attention_reference` and
+        :func:`ringattn.blockwise_attention` take one).
 
     Numpy scalars are accepted and normalised to Python types; a bad value raises
     ``ValueError("MaskSpec: <field>: expected ..., got ...")``.
@@ -67,13 +73,17 @@ class MaskSpec:
       (None, 128, 128, None)
     """
 
-    causal: bool = False
-    window: int | tuple[int | None, ...] | None = None
-    softcap: float | None = None
-    scale: float | None = None
+    # Annotated with what __init__ accepts; __post_init__ stores Python bool / int / float.
+    causal: bool | np.bool_ = False
+    window: IntLike | tuple[IntLike | None, ...] | None = None
+    softcap: FloatLike | None = None
+    scale: FloatLike | None = None
+    dense: DenseMask | None = None
 
     def __post_init__(self):
         fn = "MaskSpec"
+        if self.dense is not None and not isinstance(self.dense, DenseMask):
+            raise fail(fn, "dense", "a ringattn.DenseMask or None", describe(self.dense))
         set_ = lambda name, value: object.__setattr__(self, name, value)
         set_("causal", check_bool(fn, "causal", self.causal))
         window = self.window
@@ -126,6 +136,14 @@ class MaskSpec:
             return min(w for w in self.window if w is not None)
         return self.window
 
+    def check_dense(self, fn: str, T: int, S: int) -> None:
+        if self.dense is None:
+            return
+        if self.dense.shape != (T, S):
+            raise fail(
+                fn, "mask.dense", f"a DenseMask of shape (T, S) = {(T, S)}", self.dense.shape
+            )
+
     def check_heads(self, fn: str, num_heads: int) -> None:
         if isinstance(self.window, tuple) and len(self.window) != num_heads:
             raise fail(
@@ -177,6 +195,7 @@ def resolve_mask(
     softcap: FloatLike | None = None,
     scale: FloatLike | None = None,
     default_causal: bool = False,
+    dense_ok: bool = False,
 ) -> MaskSpec:
     """The one validator of mask options: ``mask=`` or keyword sugar, never both.
 
@@ -188,6 +207,7 @@ def resolve_mask(
       softcap: sugar for ``MaskSpec(softcap=...)``.
       scale: sugar for ``MaskSpec(scale=...)``.
       default_causal: the function's default for ``causal`` (``paged`` defaults to True).
+      dense_ok: whether the caller supports ``MaskSpec(dense=DenseMask(...))``.
 
     Returns:
       The validated :class:`MaskSpec`.
@@ -195,10 +215,11 @@ def resolve_mask(
     Raises:
       ValueError: ``fn: mask: ...`` if both ``mask`` and a keyword are given or ``mask`` is not
         a MaskSpec; ``fn: <field>: ...`` for a bad option value.
+      NotImplementedError: a DenseMask where ``dense_ok`` is False.
 
     Example:
-      >>> resolve_mask("f", causal=True, window=8)
-      MaskSpec(causal=True, window=8, softcap=None, scale=None)
+      >>> resolve_mask("f", causal=True, window=8)  # doctest: +NORMALIZE_WHITESPACE
+      MaskSpec(causal=True, window=8, softcap=None, scale=None, dense=None)
     """
     sugar = dict(causal=causal, window=window, softcap=softcap, scale=scale)
     given = [name for name, value in sugar.items() if value is not None]
@@ -208,6 +229,11 @@ def resolve_mask(
         if given:
             raise fail(
                 fn, "mask", "either mask= or the keywords causal/window/softcap/scale", given
+            )
+        if mask.dense is not None and not dense_ok:
+            raise NotImplementedError(
+                f"{fn}: mask: a DenseMask is supported by attention_reference and "
+                "blockwise_attention only"
             )
         return mask
     if causal is None:
@@ -246,12 +272,12 @@ def resolve_ids(
     return segment_ids, Positions(q_pos, kv_pos)
 
 
-def arange_positions(B: int, L: int, start=0):
-    """``[B, L]`` int32 ``start + arange(L)`` (``start`` a scalar or ``[B]``)."""
+def arange_positions(B: int, length: int, start=0):
+    """``[B, length]`` int32 ``start + arange(length)`` (``start`` a scalar or ``[B]``)."""
     start = jnp.asarray(start, jnp.int32)
     if start.ndim:
         start = start[:, None]
-    return jnp.broadcast_to(start + jnp.arange(L, dtype=jnp.int32), (B, L))
+    return jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (B, length))
 
 
 def attention_mask(
@@ -277,6 +303,8 @@ def attention_mask(
     Raises:
       ValueError: on a bad window or segment ids of the wrong type.
 
+    Options are static: ``jax.jit(functools.partial(attention_mask, causal=True))``.
+
     Example:
       >>> import jax.numpy as jnp
       >>> attention_mask(jnp.array([[1]]), jnp.arange(3)[None], causal=True).tolist()
@@ -301,6 +329,8 @@ def visibility(q_pos, kv_pos, spec: MaskSpec, segment_ids, head_windows):
         mask &= kp <= qp
     if segment_ids is not None:
         mask &= segment_ids.q[:, :, None] == segment_ids.kv[:, None, :]
+    if spec.dense is not None:
+        mask &= jnp.asarray(spec.dense.array)[None]
     if spec.per_head:
         w = np.asarray([0 if x is None else x for x in head_windows], np.int32)
         has = np.asarray([x is not None for x in head_windows])
@@ -326,14 +356,15 @@ def prepare(
     positions,
     sinks,
     default_causal: bool = False,
+    dense_ok: bool = False,
 ):
     """The checks every attention entry point runs: shapes, mask, ids, sinks.
 
+    ``dense_ok``: whether the caller supports :class:`ringattn.DenseMask` (else
+    NotImplementedError).
+
     Returns ``((B, T, S, N, K, H), MaskSpec, SegmentIds | None, Positions)``.
     """
-    from ringattn._checks import check_qkv
-    from ringattn._online_softmax import check_sinks
-
     dims = check_qkv(fn, q, k, v)
     B, T, S, N, K, H = dims
     spec = resolve_mask(
@@ -344,8 +375,10 @@ def prepare(
         softcap=softcap,
         scale=scale,
         default_causal=default_causal,
+        dense_ok=dense_ok,
     )
     spec.check_heads(fn, N)
+    spec.check_dense(fn, T, S)
     seg, pos = resolve_ids(fn, B, T, S, segment_ids, positions)
     check_sinks(fn, sinks, N)
     return dims, spec, seg, pos

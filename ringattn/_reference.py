@@ -88,6 +88,7 @@ def attention_reference(
         segment_ids=segment_ids,
         positions=positions,
         sinks=sinks,
+        dense_ok=True,
     )
     q_pos = arange_positions(B, T) if pos.q is None else pos.q
     kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv

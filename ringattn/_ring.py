@@ -33,7 +33,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from ringattn._blockwise import BlockSizes, check_block_sizes, empty_attention
+from ringattn._blocks import window_table
+from ringattn._blockwise import BlockSizes, check_block_sizes, empty_attention, head_windows
 from ringattn._checks import FloatLike, IntLike, fail
 from ringattn._heads_major import (
     attention_delta,
@@ -131,7 +132,7 @@ def _run_hops(plan: _RingPlan, block, carry, compute):
     return compute(_unpack(incoming, spec), carry, arriving)
 
 
-def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan: _RingPlan):
+def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan: _RingPlan):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.forward)
@@ -141,7 +142,7 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan: _RingPlan):
 
     def compute(block, state, arriving):
         kh, vh, kp, ks = block
-        return update_forward_heads_major(state, qg, kh, vh, qp, kp, qs, ks, cfg), None
+        return update_forward_heads_major(state, qg, kh, vh, qp, kp, qs, ks, windows, cfg), None
 
     # Every hop folds into one float32 online-softmax state: no per-hop (out, lse) to merge.
     state = cast_varying(init_forward_state(qg), varying_axes(qg, *block))
@@ -150,18 +151,18 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan: _RingPlan):
     return q_from_heads_major(out, T).astype(q.dtype), q_from_heads_major(lse, T)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan):
-    return _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan):
+    return _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan)
 
 
-def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan):
-    out, lse = _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan):
+    out, lse = _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan)
+    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse)
 
 
 def _ring_bwd(plan: _RingPlan, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse = residuals
     dout, dlse = cotangents
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -181,7 +182,7 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
         dkv = cast_varying(jnp.zeros((B, K, Sp, 2 * H), jnp.float32), axes)
         dkv = dkv if arriving is None else arriving
         return update_backward_heads_major(
-            dq, dkv, qg, kh, vh, qp, kp, qs, ks, lse_h, dout_g, delta_h, cfg
+            dq, dkv, qg, kh, vh, qp, kp, qs, ks, windows, lse_h, dout_g, delta_h, cfg
         )
 
     dq = cast_varying(jnp.zeros((B, K, N // K, Tp, H), jnp.float32), axes)
@@ -191,7 +192,8 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
     dk = kv_from_heads_major(dkv[..., :H], S)
     dv = kv_from_heads_major(dkv[..., H:], S)
     dq = q_from_heads_major(dq, T)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+    ints = (None,) * 5
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -339,18 +341,32 @@ def ring_attention_per_shard(
             "even local lengths (layout 'zigzag' holds two equal chunks per shard)",
             f"T={T} (q) and S={S} (k/v)",
         )
-    n = _axis_size(fn, seq_axis)
+    _axis_size(fn, seq_axis)  # a ValueError outside shard_map
     if B == 0 or T == 0 or S == 0:
         return apply_sinks(*empty_attention(q, k, v), sinks)
-    default_pos = pos.q is None and pos.kv is None
+    q_seg, kv_seg = (None, None) if seg is None else seg
+    windows = head_windows(spec, N)
+    out, lse = ring_local(
+        q, k, v, pos.q, pos.kv, q_seg, kv_seg, windows, spec, layout, block_sizes, seq_axis
+    )
+    return apply_sinks(out, lse, sinks)
+
+
+def ring_local(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, spec, layout, block_sizes, seq_axis):
+    """The ring on validated inputs: ``(out, lse)``; positions None take the layout default.
+
+    ``windows``: ``[N]`` per-head windows of THESE query heads (traced or numpy), or None.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    n = _axis_size("ring_attention_per_shard", seq_axis)
+    default_pos = q_pos is None and kv_pos is None
     index = lax.axis_index(seq_axis)
-    q_pos = pos.q
-    kv_pos = pos.kv
     if q_pos is None:
         q_pos = jnp.broadcast_to(shard_positions(layout, index, n, T), (B, T))
     if kv_pos is None:
         kv_pos = jnp.broadcast_to(shard_positions(layout, index, n, S), (B, S))
-    q_seg, kv_seg = (None, None) if seg is None else seg
+    table = None if windows is None else window_table(windows, B, K)
     plan = _RingPlan(
         seq_axis=seq_axis,
         num_shards=n,
@@ -362,8 +378,7 @@ def ring_attention_per_shard(
     # the custom VJP's cotangents must match its inputs' types: cast all inputs to vary
     # together (for a ``k`` replicated over a head axis, the cast's transpose is the psum
     # its gradient needs).
-    args = (q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    args = (q, k, v, q_pos, kv_pos, q_seg, kv_seg, table)
     ring_axes = frozenset(seq_axis if isinstance(seq_axis, tuple) else (seq_axis,))
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg = cast_varying(args, ring_axes | varying_axes(*args))
-    out, lse = _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan)
-    return apply_sinks(out, lse, sinks)
+    args = cast_varying(args, ring_axes | varying_axes(*args))
+    return _ring(*args, plan)

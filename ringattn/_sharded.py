@@ -20,57 +20,25 @@ Sinks join the softmax once, at the end of each shard's computation; keys no que
 have no effect in any strategy, even if they hold NaN or inf.
 """
 
-import dataclasses
 import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from ringattn._blockwise import BlockSizes, blockwise_attention, empty_attention
+from ringattn._blockwise import BlockSizes, empty_attention
 from ringattn._checks import FloatLike, IntLike, fail
-from ringattn._layout import LAYOUTS, from_layout, to_layout
+from ringattn._layout import LAYOUTS
 from ringattn._online_softmax import AttentionOutput, apply_sinks
-from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
-from ringattn._ring import ring_attention_per_shard
+from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
+from ringattn._strategies import Plan, body, default_positions
 
 __all__ = ["STRATEGIES", "sharded_attention"]
 
 STRATEGIES = ("ring", "allgather", "ulysses", "usp")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Everything static about one :func:`sharded_attention` call (a jit static argument)."""
-
-    mesh: jax.sharding.Mesh
-    strategy: str
-    layout: str
-    seq_axis: str  # the ring / all-gather / Ulysses axis ("usp": the ring axis)
-    ulysses_axis: str | None  # "usp" only
-    batch_axis: str | None
-    head_axis: str | None
-    layout_shards: int  # shards the layout permutation is over
-    kv_repeat: int  # Ulysses: each kv head is repeated this many times before the all-to-all
-    mask: MaskSpec
-    block_sizes: BlockSizes | None
-
-    @property
-    def seq_spec(self):
-        # "usp": the ring axis is major, so after the Ulysses all-to-all each device holds one
-        # contiguous chunk of the ring layout.
-        if self.ulysses_axis is None:
-            return self.seq_axis
-        return (self.seq_axis, self.ulysses_axis)
-
-    def spec(self, ndim: int) -> P:
-        """Partition spec of a ``[B, L, ...]`` array: 2 ids, 3 lse, 4 q/k/v/out."""
-        return P(self.batch_axis, self.seq_spec, *((self.head_axis, None)[: ndim - 2]))
 
 
 _FN = "sharded_attention"
@@ -98,98 +66,17 @@ def _ulysses_repeat(N: int, K: int, n: int, what: str) -> int:
     return n // math.gcd(K, n)
 
 
-def _natural(x, plan: _Plan, axis: int = 1):
-    """Gathered layout-order sequence → natural order (a static local permutation)."""
-    if plan.layout == "contiguous" or plan.layout_shards == 1 or x is None:
-        return x
-    return from_layout(x, plan.layout, num_shards=plan.layout_shards, axis=axis)
-
-
-def _permuted(x, plan: _Plan, axis: int = 1):
-    if plan.layout == "contiguous" or plan.layout_shards == 1:
-        return x
-    return to_layout(x, plan.layout, num_shards=plan.layout_shards, axis=axis)
-
-
-def _mask_kwargs(qs, ks, qp, kp, plan: _Plan) -> dict:
-    """The options every local attention call of a plan shares."""
-    return dict(
-        mask=plan.mask,
-        segment_ids=None if qs is None else SegmentIds(qs, ks),
-        positions=None if qp is None and kp is None else Positions(qp, kp),
-        block_sizes=plan.block_sizes,
-    )
-
-
-def _attend_local(q, k, v, qs, ks, qp, kp, plan: _Plan):
-    return blockwise_attention(q, k, v, **_mask_kwargs(qs, ks, qp, kp, plan))
-
-
-def _attend_ring(q, k, v, qs, ks, qp, kp, plan: _Plan):
-    return ring_attention_per_shard(
-        q, k, v, seq_axis=plan.seq_axis, layout=plan.layout, **_mask_kwargs(qs, ks, qp, kp, plan)
-    )
-
-
-def _gather(x, axis_name, axis: int = 1):
-    return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
-
-
-def _allgather_body(q, k, v, qs, ks, qp, kp, plan: _Plan):
-    a = plan.seq_axis
-    k, v, ks, kp = (_natural(_gather(x, a), plan) for x in (k, v, ks, kp))
-    return _attend_local(q, k, v, qs, ks, qp, kp, plan)
-
-
-def _ulysses_body(q, k, v, qs, ks, qp, kp, plan: _Plan):
-    """Sequence-sharded → head-sharded, attend over the full (ring-local) sequence, and back."""
-    u = plan.ulysses_axis if plan.strategy == "usp" else plan.seq_axis
-    if plan.kv_repeat > 1:
-        k = jnp.repeat(k, plan.kv_repeat, axis=2)  # [B, S/n, K * r, H]: copies stay adjacent
-        v = jnp.repeat(v, plan.kv_repeat, axis=2)
-
-    def to_heads(x):  # [B, L/n, N, H] -> [B, L, N/n, H]
-        return lax.all_to_all(x, u, split_axis=2, concat_axis=1, tiled=True)
-
-    def to_sequence(x):  # [B, L, N/n, ...] -> [B, L/n, N, ...]
-        return lax.all_to_all(x, u, split_axis=1, concat_axis=2, tiled=True)
-
-    q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    qs, ks, qp, kp = (_gather(x, u) for x in (qs, ks, qp, kp))
-    if plan.strategy == "usp":
-        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, plan)
-    else:
-        q, k, v, qs, ks, qp, kp = (_natural(x, plan) for x in (q, k, v, qs, ks, qp, kp))
-        out, lse = _attend_local(q, k, v, qs, ks, qp, kp, plan)
-        out, lse = _permuted(out, plan), _permuted(lse, plan)
-    return to_sequence(out), to_sequence(lse)
-
-
-def _body(q, k, v, qs, ks, qp, kp, sinks, *, plan: _Plan):
-    if plan.strategy == "ring":
-        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, plan)
-    elif plan.strategy == "allgather":
-        out, lse = _allgather_body(q, k, v, qs, ks, qp, kp, plan)
-    else:
-        out, lse = _ulysses_body(q, k, v, qs, ks, qp, kp, plan)
-    return apply_sinks(out, lse, sinks)  # once, on the complete attention of each row
-
-
-def _default_positions(B: int, L: int, plan: _Plan):
-    return _permuted(arange_positions(B, L), plan)
-
-
 @functools.partial(jax.jit, static_argnums=(8,))
-def _sharded(q, k, v, qs, ks, qp, kp, sinks, plan: _Plan):
+def _sharded(q, k, v, qs, ks, qp, kp, sinks, plan: Plan):
     B, T = q.shape[:2]
     S = k.shape[1]
     # Ring and USP let the ring derive default positions from the layout (and the shard index);
     # the other strategies gather positions, so they get explicit ones.
     if plan.strategy in ("allgather", "ulysses"):
         if qp is None:
-            qp = _default_positions(B, T, plan)
+            qp = default_positions(B, T, plan)
         if kp is None:
-            kp = _default_positions(B, S, plan)
+            kp = default_positions(B, S, plan)
     args = (q, k, v, qs, ks, qp, kp, sinks)
     specs = tuple(None if x is None else plan.spec(x.ndim) for x in args[:-1])
     specs += (None if sinks is None else P(plan.head_axis),)
@@ -200,7 +87,7 @@ def _sharded(q, k, v, qs, ks, qp, kp, sinks, plan: _Plan):
             for x, s in zip(args, specs, strict=True)
         )
     fn = jax.shard_map(
-        functools.partial(_body, plan=plan),
+        functools.partial(body, plan=plan),
         mesh=plan.mesh,
         in_specs=specs,
         out_specs=AttentionOutput(plan.spec(4), plan.spec(3)),
@@ -399,7 +286,7 @@ def sharded_attention(
     if B == 0 or T == 0 or S == 0:
         return apply_sinks(*empty_attention(q, k, v), sinks)
 
-    plan = _Plan(
+    plan = Plan(
         mesh=mesh,
         strategy=strategy,
         layout=layout,
@@ -411,6 +298,7 @@ def sharded_attention(
         kv_repeat=kv_repeat,
         mask=spec,
         block_sizes=block_sizes,
+        num_heads=N,
     )
     qs, ks = (None, None) if seg is None else seg
     return _sharded(q, k, v, qs, ks, pos.q, pos.kv, sinks, plan)

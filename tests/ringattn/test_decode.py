@@ -219,3 +219,42 @@ def test_errors():
         _decode_in_map(q, k, v[:, :16], seq_axis="x")
     with pytest.raises(ValueError, match="window: expected an int >= 1"):
         _decode_in_map(q, k, v, seq_axis="x", window=-1)
+
+
+def test_default_positions_number_the_valid_cache_shard_by_shard():
+    """Issue 8, trap 1, with per-shard lengths and holes: the valid keys are numbered in cache
+    order (shard by shard) and the queries are the last T positions of that valid cache, so a
+    causal decode token sees every valid key of every shard."""
+    n = 4
+    mesh = make_test_mesh((n,), ("x",))
+    q, k, v, lengths = make_inputs(n, 4, 2, jnp.float32, seed=3)  # lengths [n, B], holes
+    f = jax.shard_map(
+        lambda q, k, v, l: tuple(
+            decode_attention_per_shard(q, k, v, seq_axis="x", lengths=l[0], causal=True)
+        ),
+        mesh=mesh,
+        in_specs=(P(), P(None, "x"), P(None, "x"), P("x")),
+        out_specs=(P(), P()),
+        check_vma=True,
+    )
+    out, lse = jax.jit(f)(q, k, v, lengths)
+    for b in range(B):
+        keep = np.concatenate(
+            [np.arange(i * C, i * C + int(lengths[i, b])) for i in range(n)]
+        ).astype(int)
+        n_valid = len(keep)
+        if n_valid == 0:
+            assert not np.asarray(out[b]).any() and np.isneginf(np.asarray(lse[b])).all()
+            continue
+        q_pos = jnp.arange(n_valid - T, n_valid, dtype=jnp.int32)[None]
+        want = attention_reference(
+            q[b : b + 1],
+            k[b : b + 1, keep],
+            v[b : b + 1, keep],
+            causal=True,
+            positions=Positions(q_pos, None),
+        )
+        assert_close(out[b : b + 1], want.out, dtype=jnp.float32, what=f"row {b}")
+        # the newest token sees the whole valid cache
+        full = attention_reference(q[b : b + 1, -1:], k[b : b + 1, keep], v[b : b + 1, keep])
+        assert_close(out[b : b + 1, -1:], full.out, dtype=jnp.float32, what=f"row {b} last")

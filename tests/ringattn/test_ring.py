@@ -267,7 +267,7 @@ def _live_block_pairs(layout: str, n: int, local: int, sizes=None) -> np.ndarray
         for t in range(n):
             q_pos = shard_positions(layout, i, n, local)[None]
             kv_pos = shard_positions(layout, (i - t) % n, n, local)[None]
-            summaries = Summaries(q_pos, kv_pos, None, None, block, block)
+            summaries = Summaries(q_pos, kv_pos, None, None, block, block, None, None)
             live[i, t] = int(np.sum(np.asarray(summaries.kind(cfg, rows, cols)) != 0))
     return live
 
