@@ -8,39 +8,26 @@ Measures, in one run (ratios are what matter on a shared, noisy machine):
   * this machine's float32 matmul FLOP/s, so each result is also an efficiency:
     useful attention FLOPs per second / matmul FLOPs per second.
 
-Usage:
-  python benchmarks/bench_blockwise.py            # T = S in 2K..32K (about 15 minutes)
-  python benchmarks/bench_blockwise.py --quick    # 2K and 4K only
+Usage (from the repository root):
+  python -m benchmarks.bench_blockwise            # T = S in 2K..32K (about 15 minutes)
+  python -m benchmarks.bench_blockwise --quick    # 1K and 2K only (about a minute)
 """
-
-import argparse
-import os
-import sys
-import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import _common
 from ringattn import BlockSizes, attention_reference, blockwise_attention
 
-GiB = 1 << 30
+GiB = _common.GiB
 FITS_BYTES = 6 * GiB  # run a path only if its compiled temporaries stay under this
 
 
 def best_time(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return _common.time_call(fn, *args, repeats=repeats).best
 
 
-def matmul_flops_per_s(repeats):
-    n = 4096
+def matmul_flops_per_s(repeats, n=4096):
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     f = jax.jit(jnp.dot)
@@ -57,35 +44,32 @@ def attention_flops(T, S, N, H, causal, backward):
     return fwd * (3.5 if backward else 1.0)  # backward: 5 matmuls (one recompute) vs 2
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+def main(argv=None):
+    parser = _common.make_parser(__doc__)
     parser.add_argument("--lengths", type=int, nargs="*")
-    parser.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "results", "blockwise.md")
-    )
-    args = parser.parse_args()
-    lengths = args.lengths or ([2048, 4096] if args.quick else [2048, 4096, 8192, 16384, 32768])
+    args = parser.parse_args(argv)
+    run = _common.start_run("bench_blockwise", args, cpu_devices=1, argv=argv)
+    lengths = args.lengths or ([1024, 2048] if args.quick else [2048, 4096, 8192, 16384, 32768])
     B, N, K, H = 1, 8, 8, 64
     blocks = BlockSizes()
-    mm = matmul_flops_per_s(repeats=5)
+    mm = matmul_flops_per_s(repeats=2 if args.quick else 5, n=2048 if args.quick else 4096)
 
     paths = {
         "blockwise": lambda causal: (
-            lambda q, k, v: blockwise_attention(q, k, v, causal=causal, block_sizes=blocks)
+            lambda q, k, v: blockwise_attention(q, k, v, causal=causal, block_sizes=blocks).out
         ),
         "xla": lambda causal: (
             lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=causal, implementation="xla"
             )
         ),
-        "reference": lambda causal: lambda q, k, v: attention_reference(q, k, v, causal=causal),
+        "reference": lambda causal: lambda q, k, v: attention_reference(q, k, v, causal=causal).out,
     }
     rows = []
     for L in lengths:
         shape = jax.ShapeDtypeStruct((B, L, N, H), jnp.float32)
         q, k, v = (jax.random.normal(jax.random.key(i), (B, L, N, H)) for i in range(3))
-        repeats = 3 if L <= 8192 else 1
+        repeats = 1 if args.quick or L > 8192 else 3
         for causal in (False, True):
             results = {}
             for name, make in paths.items():
@@ -108,7 +92,7 @@ def main():
             rows.append((L, causal, results))
 
     lines = [
-        f"Matmul (4096^3 float32, same run): {mm / 1e9:.1f} GFLOP/s. "
+        f"Matmul ({2048 if args.quick else 4096}^3 float32, same run): {mm / 1e9:.1f} GFLOP/s. "
         f"B={B}, N={N}, K={K}, H={H}, float32, one CPU device, "
         f"blocks {blocks.block_q}x{blocks.block_kv}. Efficiency = useful attention FLOP/s / "
         "matmul FLOP/s. '-' = not run: compiled temporaries over "
@@ -153,12 +137,7 @@ def main():
             f"| {L // 1024}K | {ratio(d[True]['t_fwd'], d[False]['t_fwd'])} | "
             f"{ratio(d[True]['t_bwd'], d[False]['t_bwd'])} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(f"<!-- python benchmarks/bench_blockwise.py {' '.join(sys.argv[1:])} -->\n")
-        f.write(table + "\n")
+    run.write("Blockwise attention on one CPU device", lines)
 
 
 if __name__ == "__main__":

@@ -14,38 +14,22 @@ overhead of the pool machinery over a raw memcpy, and in (b) prefetching can onl
 copy behind compute when a spare core is free; on a GPU the copy is a DMA over PCIe/NVLink
 that runs beside the kernels.
 
-Run: ``python benchmarks/bench_offload.py [--quick]``; writes ``benchmarks/results/offload.md``.
+Run from the repository root: ``python -m benchmarks.bench_offload [--quick]``; writes
+``benchmarks/results/offload.md`` (``--quick``: ``benchmarks/results/quick/offload.md``).
 """
-
-import argparse
-import os
-import sys
-import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import _common
 from offload import make_host_page_pool, page_in, page_out, prefetch_layer, to_host, wait
+from paged import paged_attention
 from ringattn import merge_attention
 
-try:  # the paged kernel, once paged exports it
-    from paged import paged_attention
+ATTENTION = "paged.paged_attention (two calls, merged with ringattn.merge_attention)"
 
-    ATTENTION = "paged.paged_attention (two calls, merged with ringattn.merge_attention)"
-except ImportError:  # pragma: no cover - depends on the state of paged
-    paged_attention = None
-    ATTENTION = "contiguous ringattn.blockwise_attention over pages gathered per layer"
-    from ringattn import blockwise_attention
-
-MiB = 2**20
-
-
-def _median(xs):
-    return float(np.median(xs))
+MiB = _common.MiB
 
 
 # ------------------------------------------------------------------------------------------
@@ -62,38 +46,37 @@ def bench_throughput(reps: int) -> list[str]:
     ids, slots = np.arange(1, n + 1), np.arange(n)
     source = np.random.default_rng(0).standard_normal(total // 4).astype(np.float32)
     target = np.empty_like(source)
-    times = {"memcpy": [], "page_out": [], "page_in": [], "fresh device_put": []}
     fresh_source = jax.jit(lambda: jnp.ones((total // 4,), jnp.float32))()
-    for rep in range(reps + 1):  # the first round compiles and warms up
-        t = time.perf_counter()
-        np.copyto(target, source)
-        memcpy = time.perf_counter() - t
-        t = time.perf_counter()
-        host, handle = page_out(host, k, v, ids, slots)
-        wait(handle)
-        out = time.perf_counter() - t
-        t = time.perf_counter()
-        k, v, handle = page_in(host, slots, k, v, ids[::-1])
-        wait(handle)
-        back = time.perf_counter() - t
-        t = time.perf_counter()
-        fresh = to_host(fresh_source)
-        fresh.block_until_ready()
-        fresh_time = time.perf_counter() - t
-        del fresh
-        if rep:
-            times["memcpy"].append(memcpy)
-            times["page_out"].append(out)
-            times["page_in"].append(back)
-            times["fresh device_put"].append(fresh_time)
-    base, best_base = _median(times["memcpy"]), min(times["memcpy"])
+    state = {"host": host, "k": k, "v": v}
+
+    def do_page_out():
+        state["host"] = wait(page_out(state["k"], state["v"], ids, state["host"], slots))
+
+    def do_page_in():
+        state["k"], state["v"] = wait(
+            page_in(state["host"], slots, state["k"], state["v"], ids[::-1])
+        )
+
+    def fresh_device_put():
+        wait(to_host(fresh_source))  # a new host buffer each time
+
+    timings = _common.time_interleaved(
+        {
+            "memcpy": lambda: np.copyto(target, source),
+            "page_out": do_page_out,
+            "page_in": do_page_in,
+            "fresh device_put": fresh_device_put,
+        },
+        repeats=reps,
+    )
+    base, best_base = timings["memcpy"].median, timings["memcpy"].best
     rows = [
         "| operation | median ms | GiB/s | vs memcpy, median (target >= 0.8x) | best ms "
         "| vs memcpy, best |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, ts in times.items():
-        t, best = _median(ts), min(ts)
+    for name, timing in timings.items():
+        t, best = timing.median, timing.best
         rows.append(
             f"| {name} | {t * 1e3:.1f} | {total / t / 2**30:.2f} | {base / t:.2f}x "
             f"| {best * 1e3:.1f} | {best_base / best:.2f}x |"
@@ -104,47 +87,21 @@ def bench_throughput(reps: int) -> list[str]:
 # ------------------------------------------------------------------------------------------
 # (b) decode over layers
 # ------------------------------------------------------------------------------------------
-def _make_attend(C: int, K: int, H: int):
-    if paged_attention is not None:
-
-        @jax.jit
-        def attend_paged(q, k_pages, v_pages, table):
-            lengths = jnp.full((1,), table.shape[1] * C, jnp.int32)
-            return paged_attention(
-                q, k_pages, v_pages, table, lengths, causal=False, return_lse=True
-            )
-
-        @jax.jit
-        def attend_all(q, k_pages, v_pages, table):
-            return attend_paged(q, k_pages, v_pages, table)[0]
-
-        @jax.jit
-        def attend_mixed(q, k_dev, v_dev, dev_table, k_cold, v_cold, cold_table):
-            out_a, lse_a = attend_paged(q, k_dev, v_dev, dev_table)
-            out_b, lse_b = attend_paged(q, k_cold, v_cold, cold_table)
-            return merge_attention(out_a, lse_a, out_b, lse_b)[0]
-
-        return attend_all, attend_mixed
-
-    def contiguous(q, k_pages, v_pages, table):
-        k = jnp.take(k_pages, table[0], axis=1)  # [K, n, C, H]
-        v = jnp.take(v_pages, table[0], axis=1)
-        k = k.transpose(1, 2, 0, 3).reshape(1, -1, K, H)  # [1, S, K, H]
-        v = v.transpose(1, 2, 0, 3).reshape(1, -1, K, H)
-        return k, v
+def _make_attend(C: int):
+    @jax.jit
+    def attend_paged(q, k_pages, v_pages, table):
+        lengths = jnp.full((1,), table.shape[1] * C, jnp.int32)
+        return paged_attention(q, k_pages, v_pages, table, lengths, causal=False)
 
     @jax.jit
     def attend_all(q, k_pages, v_pages, table):
-        k, v = contiguous(q, k_pages, v_pages, table)
-        return blockwise_attention(q, k, v)
+        return attend_paged(q, k_pages, v_pages, table).out
 
     @jax.jit
     def attend_mixed(q, k_dev, v_dev, dev_table, k_cold, v_cold, cold_table):
-        k_a, v_a = contiguous(q, k_dev, v_dev, dev_table)
-        k_b, v_b = contiguous(q, k_cold, v_cold, cold_table)
-        return blockwise_attention(
-            q, jnp.concatenate([k_b, k_a], axis=1), jnp.concatenate([v_b, v_a], axis=1)
-        )
+        a = attend_paged(q, k_dev, v_dev, dev_table)
+        b = attend_paged(q, k_cold, v_cold, cold_table)
+        return merge_attention(a.out, a.lse, b.out, b.lse).out
 
     return attend_all, attend_mixed
 
@@ -167,8 +124,7 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
     # The first 80% of the sequence's pages go to host (older tokens); the recent 20% stay.
     host = make_host_page_pool(k_all, v_all, host_pages + 1)
     host_ids = np.arange(1, host_pages + 1)
-    host, handle = page_out(host, k_all, v_all, host_ids, np.arange(1, host_pages + 1))
-    wait(handle)
+    host = wait(page_out(k_all, v_all, host_ids, host, np.arange(1, host_pages + 1)))
     # Slot 0 of the host pool is fetched too and lands at index 0: the fetched array is then a
     # pool whose page 0 is a (masked) null page.
     fetch_slots = np.arange(0, host_pages + 1)
@@ -179,7 +135,7 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
     k_layers = [k_all[layer] for layer in range(L)]
     v_layers = [v_all[layer] for layer in range(L)]
     jax.block_until_ready((k_dev, v_dev, k_layers, v_layers))
-    attend_all, attend_mixed = _make_attend(C, K, H)
+    attend_all, attend_mixed = _make_attend(C)
 
     def all_on_device():
         outs = [attend_all(q, k_layers[l], v_layers[l], full_table) for l in range(L)]
@@ -194,7 +150,7 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
     def on_demand():
         outs = []
         for l in range(L):
-            handle = prefetch_layer(host, l, fetch_slots, into=staging[l % 2])
+            handle = prefetch_layer(host, fetch_slots, layer=l, into=staging[l % 2])
             k_cold, v_cold = staging[l % 2] = wait(handle)
             outs.append(attend_mixed(q, k_dev[l], v_dev[l], dev_table, k_cold, v_cold, cold_table))
             outs[-1].block_until_ready()  # each layer's output feeds the next in a real model
@@ -202,11 +158,11 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
 
     def prefetched():
         outs = []
-        pending = prefetch_layer(host, 0, fetch_slots, into=staging[0])
+        pending = prefetch_layer(host, fetch_slots, layer=0, into=staging[0])
         for l in range(L):
             current = pending
             if l + 1 < L:  # its pair was last used by layer l - 1, already computed
-                pending = prefetch_layer(host, l + 1, fetch_slots, into=staging[(l + 1) % 2])
+                pending = prefetch_layer(host, fetch_slots, layer=l + 1, into=staging[(l + 1) % 2])
             k_cold, v_cold = staging[l % 2] = wait(current)
             outs.append(attend_mixed(q, k_dev[l], v_dev[l], dev_table, k_cold, v_cold, cold_table))
             outs[-1].block_until_ready()
@@ -214,17 +170,17 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
 
     def prefetched_fresh():
         outs = []
-        pending = prefetch_layer(host, 0, fetch_slots)
+        pending = prefetch_layer(host, fetch_slots, layer=0)
         for l in range(L):
             current = pending
             if l + 1 < L:
-                pending = prefetch_layer(host, l + 1, fetch_slots)
+                pending = prefetch_layer(host, fetch_slots, layer=l + 1)
             k_cold, v_cold = wait(current)
             outs.append(attend_mixed(q, k_dev[l], v_dev[l], dev_table, k_cold, v_cold, cold_table))
             outs[-1].block_until_ready()
         return outs
 
-    fetched = [wait(prefetch_layer(host, l, fetch_slots)) for l in range(L)]
+    fetched = [wait(prefetch_layer(host, fetch_slots, layer=l)) for l in range(L)]
 
     def split_no_transfer():
         # The mixed path's attention alone: host pages already fetched (lower bound for the
@@ -238,7 +194,7 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
 
     def transfer_only():
         for l in range(L):
-            staging[l % 2] = wait(prefetch_layer(host, l, fetch_slots, into=staging[l % 2]))
+            staging[l % 2] = wait(prefetch_layer(host, fetch_slots, layer=l, into=staging[l % 2]))
 
     # Correctness: every mode returns the same outputs.
     expected = all_on_device()
@@ -254,13 +210,9 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
         "host-to-device copies only (no attention)": transfer_only,
         "fresh-buffer prefetch (no staging buffers)": prefetched_fresh,
     }
-    times = {name: [] for name in modes}
-    for _ in range(reps):
-        for name, fn in modes.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    base = _median(times["all on device"])
+    # Every mode ran once above (the correctness check): that was the warm-up.
+    times = _common.time_interleaved(modes, repeats=reps, warmup=0)
+    base = times["all on device"].median
     layer_bytes = 2 * K * C * H * 4 * pages
     rows = [
         f"L={L} layers, K={K} kv heads, N={N} query heads, H={H}, C={C}, {seq_len} tokens "
@@ -270,24 +222,18 @@ def bench_decode(reps: int, *, seq_len: int) -> tuple[list[str], dict]:
         "| mode | median ms / step | vs all on device (target prefetch <= 1.3x) |",
         "|---|---:|---:|",
     ]
-    for name, ts in times.items():
-        rows.append(f"| {name} | {_median(ts) * 1e3:.1f} | {_median(ts) / base:.2f}x |")
-    return rows, {name: _median(ts) / base for name, ts in times.items()}
+    for name, timing in times.items():
+        rows.append(f"| {name} | {timing.median * 1e3:.1f} | {timing.median / base:.2f}x |")
+    return rows, {name: timing.median / base for name, timing in times.items()}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions, shorter cache")
-    args = parser.parse_args()
+def main(argv=None):
+    args = _common.make_parser(__doc__).parse_args(argv)
+    run = _common.start_run("bench_offload", args, cpu_devices=1, argv=argv)
     reps = 3 if args.quick else 5
     seq_len = 4096 if args.quick else 16384
     lines = [
-        "# Offload tiers benchmark",
-        "",
-        f"Command: `python benchmarks/bench_offload.py{' --quick' if args.quick else ''}`; "
-        f"JAX {jax.__version__}, backend {jax.default_backend()}, "
-        f"{os.cpu_count()} CPU cores shared with other jobs (load average "
-        f"{os.getloadavg()[0]:.1f} at start). Median of {reps} runs after a warm-up.",
+        f"Median of {reps} interleaved runs after a warm-up.",
         "",
         "## (a) Page transfer throughput: 256 MiB in 16 MiB pages",
         "",
@@ -315,12 +261,7 @@ def main():
         "the sum rather than the max of the two. Timings on a shared machine vary by about 2x "
         "between runs; compare ratios within one run.",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "offload.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(text)
+    run.write("Offload tiers", lines)
 
 
 if __name__ == "__main__":

@@ -16,42 +16,23 @@ heads, K = 8 kv heads, H = 128, page size 16, float32 (2 GiB of KV):
 
 Targets: paged <= 1.15x contiguous and <= 2x the bandwidth limit.
 
-Run: ``python benchmarks/bench_paged.py [--quick]``; writes ``benchmarks/results/paged.md``.
+Run from the repository root: ``python -m benchmarks.bench_paged [--quick]``; writes
+``benchmarks/results/paged.md`` (``--quick``: ``benchmarks/results/quick/paged.md``).
 """
-
-import argparse
-import os
-import sys
-import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import _common
 from paged import paged_attention
 
-GiB = 2**30
+GiB = _common.GiB
 
 
 def interleaved(fns, reps):
-    """Best wall time of each zero-argument ``fns[name]()`` after one warm-up (compile).
-
-    The methods are timed in interleaved rounds (each round runs every method once), so a
-    burst of load from other jobs on a shared machine hits them alike, and the best run is
-    kept: noise only ever makes a run slower.
-    """
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
-    return {name: float(np.min(ts)) for name, ts in times.items()}
+    """Best wall time of each zero-argument ``fns[name]()`` (interleaved rounds, warm-up)."""
+    return {name: t.best for name, t in _common.time_interleaved(fns, repeats=reps).items()}
 
 
 def make_data(B, S, N, K, H, C, seed=0):
@@ -100,7 +81,7 @@ def bench_main(B, S, N, K, H, C, reps, sweep):
     paged_args = (q, k_pages, v_pages, table, lengths)
 
     def paged_fn(ppb):
-        fn = jax.jit(lambda *a: paged_attention(*a, pages_per_block=ppb))
+        fn = jax.jit(lambda *a: paged_attention(*a, pages_per_block=ppb).out)
         return lambda: fn(*paged_args)
 
     tuning = interleaved({ppb: paged_fn(ppb) for ppb in sweep}, max(2, reps // 2))
@@ -142,17 +123,16 @@ def bench_reference(B, S, N, K, H, C, reps):
     flat_q = jnp.asarray(q[:, 0])
     kv = jnp.asarray(kv)
     args = [jnp.asarray(x) for x in (q, k_pages, v_pages, table, lengths)]
-    fn = jax.jit(lambda *a: paged_attention(*a))
+    fn = jax.jit(lambda *a: paged_attention(*a).out)
     times = interleaved({"ref": lambda: ref(flat_q, kv), "paged": lambda: fn(*args)}, reps)
     t_ref, t_paged = times["ref"], times["paged"]
     err = float(jnp.max(jnp.abs(fn(*args)[:, 0] - ref(flat_q, kv))))
     return dict(ref=t_ref, paged=t_paged, err=err)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (~1 minute)")
-    args = parser.parse_args()
+def main(argv=None):
+    args = _common.make_parser(__doc__).parse_args(argv)
+    run = _common.start_run("bench_paged", args, cpu_devices=1, argv=argv)
     N, K, H, C = 32, 8, 128, 16
     if args.quick:
         B, S, reps, sweep = 4, 8192, 5, (16, 32, 64)
@@ -162,14 +142,11 @@ def main():
         ref_size = (4, 4096)
     r = bench_main(B, S, N, K, H, C, reps, sweep)
     ref = bench_reference(*ref_size, N, K, H, C, reps)
-    ms = lambda t: f"{t * 1e3:.1f} ms"
+    ms = _common.ms
     lines = [
-        f"# Paged decode ({'quick' if args.quick else 'full'} run)",
-        "",
         f"One decode step: B={B} sequences x S={S} tokens, N={N}, K={K}, H={H}, page size "
-        f"{C}, float32, {r['kv_bytes'] / GiB:.2f} GiB of KV; "
-        f"{jax.device_count()} {jax.devices()[0].platform.upper()} device(s), "
-        f"{os.cpu_count()} cores. Best of {reps} runs after a warm-up (shared machine: the "
+        f"{C}, float32, {r['kv_bytes'] / GiB:.2f} GiB of KV. "
+        f"Best of {reps} runs after a warm-up (shared machine: the "
         "best run is the least disturbed one).",
         "",
         "| method | time | vs contiguous | vs bandwidth limit |",
@@ -204,12 +181,7 @@ def main():
             "",
             f"max abs difference: {ref['err']:.2e}",
         ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "paged.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(text)
+    run.write("Paged decode", lines)
 
 
 if __name__ == "__main__":

@@ -12,20 +12,16 @@ Three measurements, all on seeded synthetic workloads:
     hit rate, at page 16 vs 64, for a page-aligned (2048) and an unaligned (2000) prompt.
 (d) page-table bytes of one 1M-token request at page 4 / 16 / 64, next to its KV bytes.
 
-Run: ``/work/venv/bin/python benchmarks/bench_paged_memory.py [--quick]``; writes
-``benchmarks/results/paged_memory.md``.
+Run from the repository root: ``python -m benchmarks.bench_paged_memory [--quick]``; writes
+``benchmarks/results/paged_memory.md`` (``--quick``: ``benchmarks/results/quick/``).
 """
 
-import argparse
 import math
-import pathlib
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
-
+from benchmarks import _common
 from paged import OutOfPages, PageAllocator
 
 MAX_MODEL_LEN = 128 * 1024
@@ -146,10 +142,8 @@ def page_table_rows(tokens=1 << 20):
 def render(args, lengths, waste_rows, prefix_rows, table_rows, budget, seconds):
     out = []
     pct = lambda x: f"{100 * x:.2f}%"
-    out.append("# Paged KV memory: waste, prefix reuse, page-table size\n")
     out.append(
-        f"Command: `/work/venv/bin/python benchmarks/bench_paged_memory.py"
-        f"{' --quick' if args.quick else ''}` (seed {args.seed}, {seconds:.1f} s). "
+        f"Seed {args.seed}, {seconds:.1f} s. "
         "Pure host-side accounting with `paged.PageAllocator`; no device, no timing.\n"
     )
     q = np.percentile(lengths, [50, 90, 99])
@@ -245,15 +239,11 @@ def advice(waste_rows, prefix_rows, table_rows):
     )
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads (~1/5)")
+def main(argv=None):
+    parser = _common.make_parser(__doc__)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--out",
-        default=str(pathlib.Path(__file__).parent / "results" / "paged_memory.md"),
-    )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = _common.start_run("bench_paged_memory", args, cpu_devices=None, argv=argv)
     start = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     requests = 200 if args.quick else 1000
@@ -266,10 +256,7 @@ def main():
     text = render(
         args, lengths, waste_rows, prefix_rows, table_rows, budget, time.perf_counter() - start
     )
-    print(text)
-    path = pathlib.Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    run.write("Paged KV memory: waste, prefix reuse, page-table size", text.splitlines())
 
 
 if __name__ == "__main__":

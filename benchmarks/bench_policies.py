@@ -18,23 +18,18 @@ heavy hitters per kv head with their own directions, each query attending a rand
 and ``uniform`` (plain Gaussian ``q``/``k``: the
 control with no structure to exploit).
 
-Run: ``/work/venv/bin/python benchmarks/bench_policies.py [--quick]`` (about 30 s on a 2-core
-CPU; ``--quick`` halves the shapes); writes ``benchmarks/results/policies.md``.
+Run from the repository root: ``python -m benchmarks.bench_policies [--quick]`` (about 30 s
+on a 2-core CPU; ``--quick`` halves the shapes); writes ``benchmarks/results/policies.md``
+(``--quick``: ``benchmarks/results/quick/policies.md``).
 """
 
-import argparse
-import os
-import pathlib
-import sys
 import time
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import _common
 from offload import (
     RetentionPolicy,
     init_policy_state,
@@ -217,10 +212,9 @@ def verdict(results):
     return lines
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller shapes (~1 minute)")
-    args = parser.parse_args()
+def main(argv=None):
+    args = _common.make_parser(__doc__).parse_args(argv)
+    run = _common.start_run("bench_policies", args, cpu_devices=1, argv=argv)
     cfg = (
         dict(B=2, S=2048, K=2, G=4, H=64, C=16, W=16)
         if args.quick
@@ -229,10 +223,6 @@ def main():
     start = time.perf_counter()
     policies = list(make_policies(0.1, cfg["C"], cfg["W"]))
     out = [
-        "## Retention policies: attention mass kept vs device budget",
-        "",
-        f"Command: `/work/venv/bin/python benchmarks/bench_policies.py"
-        f"{' --quick' if args.quick else ''}`; JAX {jax.__version__}, {jax.devices()[0].platform}.",
         f"Shapes: B={cfg['B']} sequences × S={cfg['S']} tokens, pages of C={cfg['C']} "
         f"(M={cfg['S'] // cfg['C']} pages), N={cfg['K'] * cfg['G']} query heads over "
         f"K={cfg['K']} kv heads, H={cfg['H']}; decode of one query, policies fed by the "
@@ -248,11 +238,7 @@ def main():
         out += [format_table(name, results[name], policies), ""]
     out += verdict(results)
     out.append(f"Total time: {time.perf_counter() - start:.1f} s.")
-    text = "\n".join(out)
-    print(text)
-    path = pathlib.Path(__file__).resolve().parent / "results" / "policies.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+    run.write("Retention policies: attention mass kept vs device budget", out)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Sequence-parallel attention on 8 CPU devices: time, compiled memory and communication.
 
-Rerun:  /work/venv/bin/python benchmarks/bench_ring.py            (about 3 minutes idle)
-        /work/venv/bin/python benchmarks/bench_ring.py --quick    (about 1 minute idle)
-        /work/venv/bin/python benchmarks/bench_ring.py --seq-lens 4096,16384,32768
-                                                  (every config, K=8 and 2: hours on 2 cores)
+Rerun from the repository root:
+        python -m benchmarks.bench_ring            (about 3 minutes idle)
+        python -m benchmarks.bench_ring --quick    (about 1 minute idle)
+        python -m benchmarks.bench_ring --seq-lens 4096,16384,32768
+                                          (every config, K=8 and 2: hours on 2 cores)
 
-Three tables, Markdown to stdout and to benchmarks/results/ring.md:
+Three tables, Markdown to stdout and to benchmarks/results/ring.md (``--quick``:
+benchmarks/results/quick/ring.md):
 
 1. Time of forward and forward+backward per strategy and layout, causal and not, with the
    causal / non-causal ratio (target: causal zigzag ring fwd+bwd <= 0.55x non-causal at 16K).
@@ -18,24 +20,16 @@ On CPU the 8 "devices" share the host's cores (2 here), so absolute times are no
 GPU/TPU would show and there is no compute/communication overlap; the ratios are the point.
 """
 
-import argparse
 import math
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import _common
 from ringattn import sharded_attention
 
 DEVICES = 8
@@ -66,7 +60,7 @@ def make_fns(strategy, layout, causal, K):
     def fwd(q, k, v):
         return sharded_attention(
             q, k, v, mesh=mesh, seq_axis=seq_axis, strategy=strategy, layout=layout, causal=causal
-        )
+        ).out
 
     def fwd_bwd(q, k, v):
         out, vjp = jax.vjp(fwd, q, k, v)
@@ -86,13 +80,7 @@ def inputs(S, K, sharding, *, abstract=False):
 
 def time_call(f, args, repeats):
     compiled = f.lower(*args).compile()
-    jax.block_until_ready(compiled(*args))  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return _common.time_call(compiled, *args, repeats=repeats).best
 
 
 def bench_time(jobs, repeats):
@@ -180,9 +168,8 @@ def default_jobs(quick: bool, seq_lens, kv_heads):
     return timing, memory
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, about a minute")
+def main(argv=None):
+    parser = _common.make_parser(__doc__)
     parser.add_argument(
         "--seq-lens", type=str, default=None, help="time every config at these S, e.g. 4096,16384"
     )
@@ -197,8 +184,8 @@ def main():
         help="with --seq-lens: only these strategy:layout pairs, e.g. ring:zigzag,ulysses:contiguous",
     )
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out", type=str, default="benchmarks/results/ring.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    run = _common.start_run("bench_ring", args, cpu_devices=DEVICES, argv=argv)
 
     kv_heads = [int(x) for x in args.kv_heads.split(",")]
     seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else None
@@ -213,16 +200,10 @@ def main():
         memory_jobs = [(int(S), "ring", "zigzag") for S in args.memory_lens.split(",")]
 
     lines = [
-        "# Sequence-parallel attention on 8 CPU devices",
-        "",
         f"B={B}, N={N}, H={H}, float32, 8 emulated CPU devices (`jax_num_cpu_devices=8`). "
         "On CPU the 8 devices share the host's cores (2 here, shared with other jobs), so "
         "absolute times are not what a GPU/TPU would show (no overlap of compute and "
         "communication, collectives are memory copies); the ratios are the point.",
-        "",
-        "Command: `"
-        + " ".join(["/work/venv/bin/python benchmarks/bench_ring.py", *sys.argv[1:]])
-        + "`",
         "",
         "## Time (ms, best of repeats after a warm-up; causal / non-causal ratio)",
         "",
@@ -230,7 +211,6 @@ def main():
         "| causal/non fwd | causal/non fwd+bwd |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    load_start = os.getloadavg()[0]
     print("\n".join(lines), flush=True)
     t0 = time.time()
     time_rows = bench_time(timing_jobs, args.repeats)
@@ -274,18 +254,8 @@ def main():
         hop_text = "-" if hop is None else f"{hop / 2**20:.2f} MiB"
         comm.append(f"| {K} | {strategy} | {what} | {hop_text} | {total / 2**20:.2f} MiB |")
     print("\n".join(comm), flush=True)
-    lines += [
-        *comm,
-        "",
-        f"Total benchmark time: {time.time() - t0:.0f} s; host load average "
-        f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end on "
-        f"{os.cpu_count()} cores (a load above the core count makes the timings noisy).",
-    ]
-
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"\nwrote {args.out}")
+    lines += [*comm, "", f"Total benchmark time: {time.time() - t0:.0f} s."]
+    run.write("Sequence-parallel attention on 8 CPU devices", lines)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,34 @@
 # %%
 import sys
 
-if "google.colab" in sys.modules:  # Colab: install the library (and nothing else) first
+if "google.colab" in sys.modules:  # Colab: install the library first (it is not on PyPI)
+    import glob
     import os
     import subprocess
 
-    # The distribution name, or a git URL / wheel path of your copy of the repository.
-    spec = os.environ.get("JAX_LONGCTX_SPEC", "jax-longctx")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], check=True)
+    REPOSITORY = "https://github.com/jax-longctx/jax-longctx"  # pyproject.toml [project.urls]
+    HOW_TO_INSTALL = f"""jax-longctx is not on PyPI. Install it one of these ways, then rerun:
+  * from its repository: set JAX_LONGCTX_SPEC (or use the default)
+        jax-longctx @ git+{REPOSITORY}
+    (a fork or a branch: jax-longctx @ git+https://github.com/YOU/jax-longctx@BRANCH);
+  * from a wheel: in a clone run `pip wheel . --no-deps -w dist` (or `python -m build`),
+    upload dist/jax_longctx-*.whl to this Colab session (Files pane, into the working
+    directory), and rerun this cell: it installs the newest uploaded wheel."""
+    wheels = sorted(glob.glob("jax_longctx-*.whl"))
+    spec = os.environ.get("JAX_LONGCTX_SPEC") or (
+        wheels[-1] if wheels else f"jax-longctx @ git+{REPOSITORY}"
+    )
+    print(f"pip install {spec!r}")
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", spec], capture_output=True, text=True
+    )
+    if pip.returncode != 0:
+        said = [line.strip() for line in pip.stderr.splitlines() if line.strip()]
+        pip_said = next(
+            (line for line in said if line.startswith(("fatal:", "ERROR:"))),
+            said[-1] if said else "(no output)",
+        )
+        raise SystemExit(f"Installing {spec!r} failed: {pip_said}\n\n{HOW_TO_INSTALL}")
 
 # %%
 import os
@@ -40,6 +61,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import time
+from functools import partial
 
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +76,9 @@ print("devices:", len(jax.devices()), jax.devices()[0].platform, "| jax", jax.__
 #
 # `blockwise_attention` is exact: an online softmax over blocks that never builds the `T x S`
 # matrix, skips blocks the mask hides, and has a memory-linear custom VJP. Every fast path is
-# checked against the dense float32 `attention_reference`.
+# checked against the dense float32 `attention_reference`. Every attention function returns an
+# `AttentionOutput(out, lse)`; options such as `causal` are static, so bind them with
+# `functools.partial` before `jax.jit`.
 
 # %%
 B, T, N, K, H = 1, (512 if SMALL else 4096), 8, 2, 64  # GQA: 8 query heads share 2 kv heads
@@ -63,17 +87,17 @@ q = jax.random.normal(kq, (B, T, N, H))
 k = jax.random.normal(kk, (B, T, K, H))
 v = jax.random.normal(kv, (B, T, K, H))
 
-fast = jax.jit(lambda q, k, v: ringattn.blockwise_attention(q, k, v, causal=True))
-out = fast(q, k, v).block_until_ready()
+fast = jax.jit(partial(ringattn.blockwise_attention, causal=True))
+jax.block_until_ready(fast(q, k, v))  # compile
 start = time.perf_counter()
-out = fast(q, k, v).block_until_ready()
+result = jax.block_until_ready(fast(q, k, v))  # AttentionOutput: out [B, T, N, H], lse [B, T, N]
 elapsed = time.perf_counter() - start
 want = ringattn.attention_reference(q, k, v, causal=True)
-err_fwd = float(jnp.max(jnp.abs(out - want)))
+err_fwd = float(jnp.max(jnp.abs(result.out - want.out)))
 
 
 def loss(fn):
-    return lambda q, k, v: jnp.sum(fn(q, k, v, causal=True) ** 2)
+    return lambda q, k, v: jnp.sum(fn(q, k, v, causal=True).out ** 2)
 
 
 grads = jax.jit(jax.grad(loss(ringattn.blockwise_attention), argnums=(0, 1, 2)))(q, k, v)
@@ -90,16 +114,15 @@ assert err_fwd < 1e-5 and err_grad < 1e-4
 
 # %%
 half = T // 2
-o1, l1 = ringattn.blockwise_attention(q, k[:, :half], v[:, :half], return_lse=True)
-o2, l2 = ringattn.blockwise_attention(
+first = ringattn.blockwise_attention(q, k[:, :half], v[:, :half])
+second = ringattn.blockwise_attention(
     q,
     k[:, half:],
     v[:, half:],
-    return_lse=True,
-    kv_positions=jnp.arange(half, T, dtype=jnp.int32)[None],
+    positions=ringattn.Positions(q=None, kv=jnp.arange(half, T, dtype=jnp.int32)[None]),
 )
-merged, _ = ringattn.merge_attention(o1, l1, o2, l2)
-err_merge = float(jnp.max(jnp.abs(merged - ringattn.attention_reference(q, k, v))))
+merged = ringattn.merge_attention(first.out, first.lse, second.out, second.lse)
+err_merge = float(jnp.max(jnp.abs(merged.out - ringattn.attention_reference(q, k, v).out)))
 print(f"merge of two halves vs full attention: max |err| {err_merge:.1e}")
 assert err_merge < 1e-5
 
@@ -111,8 +134,6 @@ assert err_merge < 1e-5
 # and `from_layout` undoes it. Only the `K` key/value heads travel the ring.
 
 # %%
-from functools import partial
-
 from jax.sharding import AxisType
 
 mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Explicit,))
@@ -145,9 +166,9 @@ ring = jax.jit(
     )
 )
 zig = partial(ringattn.to_layout, layout="zigzag", num_shards=8)
-out_zig = ring(zig(q_long), zig(k_long), zig(v_long))
+out_zig = ring(zig(q_long), zig(k_long), zig(v_long)).out
 out_ring = ringattn.from_layout(out_zig, "zigzag", num_shards=8)
-single = jax.jit(partial(ringattn.blockwise_attention, causal=True))(q_long, k_long, v_long)
+single = jax.jit(partial(ringattn.blockwise_attention, causal=True))(q_long, k_long, v_long).out
 err_ring = float(jnp.max(jnp.abs(out_ring - single)))
 print(
     f"ring (zigzag, causal) over 8 devices, S={S_LONG}: output sharded as "
@@ -159,7 +180,7 @@ for strategy in ("allgather", "ulysses"):
     other = partial(
         ringattn.sharded_attention, mesh=mesh, seq_axis="seq", strategy=strategy, causal=True
     )
-    err = float(jnp.max(jnp.abs(jax.jit(other)(q_long, k_long, v_long) - single)))
+    err = float(jnp.max(jnp.abs(jax.jit(other)(q_long, k_long, v_long).out - single)))
     print(f"strategy {strategy!r}: max |err| vs one device {err:.1e}")
     assert err < 1e-5
 
@@ -169,7 +190,10 @@ for strategy in ("allgather", "ulysses"):
 # The host-side `PageAllocator` hands out pages (page 0 is the reserved null page) and
 # produces the page table; the jittable `PagedKVCache` stores K/V heads-major
 # `[L, K, P, C, H]`. The long sequence's KV from section 2 is written as the prefill of
-# sequence 0, a second sequence shares the pool.
+# sequence 0, a second sequence shares the pool. The allocator's life cycle is
+# admit (or allocate) -> write on the device -> commit -> extend / fork -> free: `commit` tells
+# it which tokens are written (prefix caching only reuses committed pages, and `stats()` counts
+# what is still uncommitted), and `extend` returns a `CopyPlan` that `copy_pages` runs.
 
 # %%
 import paged
@@ -184,9 +208,11 @@ for seq in range(B_DEC):
 k_prefill = jnp.concatenate([k_long, with_heavy_hitters(jax.random.normal(kk, k_long.shape))])
 v_prefill = jnp.concatenate([v_long, jax.random.normal(kv, v_long.shape)], axis=0)
 cache = paged.init_paged_cache(1, K, 2 * M + 8, C, H, batch=B_DEC, max_pages_per_seq=M)
-cache = cache._replace(page_table=jnp.asarray(alloc.page_table(range(B_DEC))))
+cache = paged.with_page_table(cache, alloc.page_table(range(B_DEC)))  # host -> device hand-off
 cache = paged.write(cache, k_prefill[None], v_prefill[None], 0)  # [L=1, B, S, K, H]
 paged.validate(cache)
+for seq in range(B_DEC):
+    alloc.commit(seq)  # the prefill's KV is on the device
 
 decode = jax.jit(paged.paged_attention)
 k_all, v_all = k_prefill, v_prefill
@@ -197,21 +223,27 @@ for step in range(DECODE_STEPS):
     k_new = jax.random.normal(ks[1], (B_DEC, K, H))
     v_new = jax.random.normal(ks[2], (B_DEC, K, H))
     for seq in range(B_DEC):
-        alloc.extend(seq, S_LONG + step + 1)
-    cache = cache._replace(page_table=jnp.asarray(alloc.page_table(range(B_DEC))))
+        plan = alloc.extend(seq, S_LONG + step + 1)  # a CopyPlan, usually empty
+        cache = paged.copy_pages(cache, plan)  # copy-on-write of a shared last page, if any
+    # The device's own lengths advance with `append`; the host only added pages.
+    cache = paged.with_page_table(cache, alloc.page_table(range(B_DEC)))
     cache = paged.append(cache, k_new[None], v_new[None])
-    out = decode(q_new, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths)
+    for seq in range(B_DEC):
+        alloc.commit(seq)
+    out = decode(q_new, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths).out
     k_all = jnp.concatenate([k_all, k_new[:, None]], axis=1)
     v_all = jnp.concatenate([v_all, v_new[:, None]], axis=1)
     pos = jnp.full((B_DEC, 1), S_LONG + step, jnp.int32)
-    want = ringattn.attention_reference(q_new, k_all, v_all, causal=True, q_positions=pos)
+    positions = ringattn.Positions(q=pos, kv=None)  # the new tokens come after the prefill
+    want = ringattn.attention_reference(q_new, k_all, v_all, causal=True, positions=positions).out
     err_paged = max(err_paged, float(jnp.max(jnp.abs(out - want))))
 stats = alloc.stats()
 print(
     f"paged decode of {DECODE_STEPS} tokens for {B_DEC} sequences: max |err| vs dense "
-    f"{err_paged:.1e}; pages used {stats.pages_used}, waste {stats.waste:.2%}"
+    f"{err_paged:.1e}; pages used {stats.pages_used}, waste {stats.waste:.2%}, "
+    f"tokens not committed {stats.tokens_uncommitted}"
 )
-assert err_paged < 1e-5
+assert err_paged < 1e-5 and stats.tokens_uncommitted == 0
 
 # %% [markdown]
 # ## 4. Offload: keep a budget of pages on device, demote the rest to host memory
@@ -234,15 +266,14 @@ def looking_for_heavy_hitters(key):
 
 
 q_obs = looking_for_heavy_hitters(jax.random.key(7))
-_, _, page_mass = paged.paged_attention(
+page_mass = paged.paged_attention(
     q_obs,
     cache.k_pages[0],
     cache.v_pages[0],
     cache.page_table,
     cache.lengths,
-    return_lse=True,
     return_page_mass=True,
-)
+).page_mass  # PagedAttentionOutput(out, lse, page_mass): [B, N, M] mass per page
 state = offload.update_policy_state(
     offload.init_policy_state(B_DEC, M, policy=policy), page_mass, policy=policy
 )
@@ -266,11 +297,10 @@ v_dev = cache.v_pages.at[:, :, cold_ids].set(jnp.nan)
 q_step = looking_for_heavy_hitters(jax.random.key(8))
 full = paged.paged_attention(
     q_step, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths
-)
+).out
 approx = offload.mixed_residency_attention(q_step, k_dev[0], v_dev[0], device_table, cache.lengths)
 staging_k, staging_v = jnp.zeros_like(cache.k_pages), jnp.zeros_like(cache.v_pages)
-cold_k, cold_v, handle = manager.page_in(staging_k, staging_v, cold_ids, request_id="doc")
-manager.wait(handle)
+cold_k, cold_v = manager.wait(manager.page_in(staging_k, staging_v, cold_ids, request_id="doc"))
 exact = offload.mixed_residency_attention(
     q_step,
     k_dev[0],
@@ -297,9 +327,13 @@ assert err_exact < 1e-5
 
 # %% [markdown]
 # ## Summary
+#
+# What this notebook computed; with `QUICKSTART_RESULTS=path.json` set it also writes these
+# numbers there (the test suite checks them against its tolerances).
 
 # %%
-print("Summary")
+import json
+
 summary = {
     "blockwise forward error": err_fwd,
     "blockwise gradient error": err_grad,
@@ -307,7 +341,11 @@ summary = {
     "ring (8 devices) error": err_ring,
     "paged decode error": err_paged,
     "offload exact-decode error": err_exact,
+    "offload device-only relative error": rel_approx,
     "offload mass kept on device": kept,
 }
 for name, value in summary.items():
-    print(f"{name:>32}: {value:.2e}")
+    print(f"{name:>36}: {value:.2e}")
+if os.environ.get("QUICKSTART_RESULTS"):
+    with open(os.environ["QUICKSTART_RESULTS"], "w") as f:
+        json.dump(summary, f, indent=2)
