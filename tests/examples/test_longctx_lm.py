@@ -1,0 +1,166 @@
+"""The example model: data, the attention switch, the sharded step, checkpoints, serving."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+from examples.longctx_lm import attention, data, train
+from examples.longctx_lm.model import ModelConfig, Transformer, previous_tokens
+from tests._util import make_test_mesh
+
+TINY = ModelConfig(width=32, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, mlp_width=64)
+
+
+def tiny_model(seed=0):
+    return Transformer(TINY, rngs=nnx.Rngs(seed))
+
+
+@pytest.mark.parametrize("task", data.TASKS)
+def test_samples_are_reproducible_and_answers_are_retrievable(task):
+    cfg = data.TaskConfig(task, length=96)
+    a = data.make_batch(cfg, 4, seed=3)
+    b = data.make_batch(cfg, 4, seed=3)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.tokens.shape == (4, 96) and a.loss_mask.shape == (4, 96)
+    assert (a.tokens[:, 0] == data.BOS).all()
+    assert (a.loss_mask.sum(1) == cfg.answer_len).all()
+    for row, mask in zip(a.tokens, a.loss_mask, strict=True):
+        for i in np.nonzero(mask)[0]:
+            # Every answer token is the token after an earlier occurrence of its predecessor.
+            earlier = np.nonzero(row[: i - 1] == row[i - 1])[0]
+            assert earlier.size and row[earlier[-1] + 1] == row[i]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_depth_places_the_key(depth):
+    cfg = data.TaskConfig("passkey", length=200, depth=depth)
+    tokens = data.make_batch(cfg, 1, seed=0).tokens[0]
+    first = int(np.nonzero(tokens == data.MARK)[0][0])
+    last_possible = 200 - 2 * cfg.key_len - 2
+    assert abs(first - (1 + depth * (last_possible - 1))) <= 1
+
+
+def test_task_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="task"):
+        data.TaskConfig("summarise")
+    with pytest.raises(ValueError, match="length"):
+        data.TaskConfig("passkey", length=5)
+    with pytest.raises(ValueError, match="depth"):
+        data.TaskConfig("passkey", depth=1.5)
+
+
+def test_dense_and_blockwise_give_the_same_logits():
+    model = tiny_model()
+    ex = train.model_inputs(data.make_batch(data.TaskConfig("recall", length=97), 2, seed=0))
+    dense = model(ex.inputs, ex.positions, attention.dense(), ex.prev_tokens)
+    blocks = ringattn_blocks()
+    blockwise = model(ex.inputs, ex.positions, attention.blockwise(blocks), ex.prev_tokens)
+    np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), atol=2e-5, rtol=1e-5)
+
+
+def ringattn_blocks():
+    import ringattn
+
+    return ringattn.BlockSizes(block_q=16, block_kv=16)
+
+
+def _grads(model, ex, attend):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        return train.loss_and_accuracy(nnx.merge(graphdef, params, rest), ex, attend)[0]
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_ring_training_step_equals_the_dense_single_device_step(axis_type):
+    """Loss and every gradient of one step: ring over ("data", "seq") = (2, 4), zigzag."""
+    model = tiny_model(1)
+    batch = data.make_batch(data.TaskConfig("passkey", length=65), 2, seed=5)
+    ex = train.model_inputs(batch)
+    want_loss, want = _grads(model, ex, attention.dense())
+    mesh = make_test_mesh((2, 4), ("data", "seq"), axis_type=axis_type)
+    zig = train.to_layout_example(ex, layout="zigzag", num_shards=4)
+    attend = attention.sharded(mesh, block_sizes=ringattn_blocks())
+    with jax.set_mesh(mesh):
+        got_loss, got = _grads(model, zig, attend)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for (path, g), w in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        scale = float(jnp.max(jnp.abs(w))) or 1.0
+        err = float(jnp.max(jnp.abs(g - w))) / scale
+        assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: relative error {err:.3g}"
+
+
+def test_a_short_run_evaluates_and_its_checkpoint_round_trips(tmp_path):
+    cfg = train.TrainConfig(stages=((4, 80),), batch_size=4, warmup_steps=2, peak_lr=1e-2)
+    model, history = train.train(TINY, cfg, out=str(tmp_path / "ckpt"), eval_every=2, eval_samples=4, log=lambda *_: None)  # fmt: skip
+    assert [row["step"] for row in history] == [2, 4]
+    restored, meta = train.load_checkpoint(str(tmp_path / "ckpt"))
+    assert meta["model"] == dataclasses.asdict(TINY) and meta["history"] == history
+    ex = train.model_inputs(data.make_batch(data.TaskConfig("passkey", length=33), 2, seed=1))
+    a = model(ex.inputs, ex.positions, attention.dense(), ex.prev_tokens)
+    b = restored(ex.inputs, ex.positions, attention.dense(), ex.prev_tokens)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_interrupted_run_resumes_to_the_same_parameters(tmp_path):
+    cfg = train.TrainConfig(stages=((2, 80), (2, 96)), batch_size=2, warmup_steps=1)
+    whole, _ = train.train(TINY, cfg, out=str(tmp_path / "a"), eval_every=2, eval_samples=2, log=lambda *_: None)  # fmt: skip
+
+    def interrupt(line):
+        if '"step": 4' in line:
+            raise KeyboardInterrupt  # after the step-2 checkpoint, before the step-4 one
+
+    with pytest.raises(KeyboardInterrupt):
+        train.train(TINY, cfg, out=str(tmp_path / "b"), eval_every=2, eval_samples=2, log=interrupt)  # fmt: skip
+    lines = []
+    resumed, history = train.train(TINY, cfg, out=str(tmp_path / "b"), eval_every=2, eval_samples=2, log=lines.append)  # fmt: skip
+    assert "resuming at step 2" in lines
+    assert [row["step"] for row in history] == [2, 4]
+    for x, y in zip(jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(nnx.state(resumed)), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_optimizer_is_adamw_with_warmup_cosine_and_clipping():
+    cfg = train.TrainConfig(stages=((100, 32),), warmup_steps=10, peak_lr=1e-3, end_lr=1e-4)
+    tx = train.make_optimizer(cfg)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    huge = {"w": jnp.full(3, 1e6)}
+    updates, _ = tx.update(huge, state, params)
+    # Clipped to norm 1 before Adam, and the first step's learning rate is 0 (warm-up).
+    assert float(optax.tree.norm(updates)) < 1e-2
+
+
+def test_previous_tokens_shift_in_natural_order():
+    t = jnp.array([[5, 6, 7]])
+    np.testing.assert_array_equal(np.asarray(previous_tokens(t)), [[data.PAD, 5, 6]])
+
+
+def test_paged_generation_equals_dense_recompute_and_hits_the_prefix_cache():
+    from examples.longctx_lm import generate
+
+    model = tiny_model(2)
+    server = generate.Server(model, num_pages=64, page_size=4, max_len=64, batch=2, chunk=8)
+    batch = data.make_batch(data.TaskConfig("passkey", length=40), 2, seed=9)
+    prompts = [list(row[:30]) for row in batch.tokens]
+    prompts[1] = prompts[0][:20] + prompts[1][20:]  # shares a 20-token prefix
+    got = server.generate(prompts, 6)
+    for p, g in zip(prompts, got, strict=True):
+        want = generate.generate_dense(model, p, 6, attention.dense())
+        np.testing.assert_array_equal(g, want)
+    # Prompts of one call are admitted before any is committed: no hits within a call. Later
+    # calls reuse committed pages: 20 shared tokens (5 pages), then all 28 full-page tokens.
+    assert server.allocator.stats().tokens_hit == 0
+    again = server.generate([prompts[1], prompts[0]], 6)
+    np.testing.assert_array_equal(again[0], got[1])
+    np.testing.assert_array_equal(again[1], got[0])
+    stats = server.allocator.stats()
+    assert stats.tokens_hit == 28 + 28 and stats.pages_uncommitted == 0
