@@ -1,8 +1,8 @@
 """Accuracy of a checkpoint on fresh samples.
 
 ``python -m examples.longctx_lm.evaluate --task passkey --samples 64 --seed 1`` loads the
-committed checkpoint, evaluates fresh samples drawn with the seed at the trained length (or
-``--length``), and prints one JSON object as its last line with ``task``, ``length``,
+committed checkpoint, evaluates fresh samples drawn with the seed at the context it was last trained
+at (or ``--length``), and prints one JSON object as its last line with ``task``, ``length``,
 ``samples``, ``accuracy`` (exact match: a passkey sample counts when all its digits are right,
 a recall query when its value is right) and ``checkpoint``.
 """
@@ -28,7 +28,7 @@ def main(argv=None) -> dict:
     if args.samples < 1:
         p.error(f"--samples: expected >= 1, got {args.samples}")
     model, meta = load_checkpoint(args.checkpoint)
-    length = args.length or max(c for _, c in meta["train"]["stages"])
+    length = args.length or meta["history"][-1]["context"]  # the context it was trained at last
     accuracy = evaluate(model, args.task, length, args.samples, args.seed, attention.blockwise())
     result = {
         "task": args.task,

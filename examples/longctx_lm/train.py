@@ -287,9 +287,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, *, out: str | None, eval_eve
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="examples/longctx_lm/checkpoint")
-    p.add_argument(
-        "--stages", default=None, help="steps:context,... (default: TrainConfig's)"
-    )
+    p.add_argument("--stages", default=None, help="steps:context,... (default: TrainConfig's)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--peak-lr", type=float, default=6e-3)
     p.add_argument("--warmup", type=int, default=50)

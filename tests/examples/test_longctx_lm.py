@@ -98,6 +98,7 @@ def test_ring_training_step_equals_the_dense_single_device_step(axis_type):
         assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: relative error {err:.3g}"
 
 
+@pytest.mark.slow
 def test_a_short_run_evaluates_and_its_checkpoint_round_trips(tmp_path):
     cfg = train.TrainConfig(stages=((4, 80),), batch_size=4, warmup_steps=2, peak_lr=1e-2)
     model, history = train.train(TINY, cfg, out=str(tmp_path / "ckpt"), eval_every=2, eval_samples=4, log=lambda *_: None)  # fmt: skip
@@ -110,6 +111,7 @@ def test_a_short_run_evaluates_and_its_checkpoint_round_trips(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_to_the_same_parameters(tmp_path):
     cfg = train.TrainConfig(stages=((2, 80), (2, 96)), batch_size=2, warmup_steps=1)
     whole, _ = train.train(TINY, cfg, out=str(tmp_path / "a"), eval_every=2, eval_samples=2, log=lambda *_: None)  # fmt: skip
@@ -164,3 +166,17 @@ def test_paged_generation_equals_dense_recompute_and_hits_the_prefix_cache():
     np.testing.assert_array_equal(again[1], got[0])
     stats = server.allocator.stats()
     assert stats.tokens_hit == 28 + 28 and stats.pages_uncommitted == 0
+
+
+@pytest.mark.parametrize("task, floor", [("passkey", 0.95), ("recall", 0.9)])
+def test_the_committed_checkpoint_solves_fresh_samples(task, floor, capsys):
+    """The shipped checkpoint, on samples it never saw (a seed not used in training)."""
+    import json
+
+    from examples.longctx_lm import evaluate
+
+    result = evaluate.main(["--task", task, "--samples", "16", "--seed", "424242"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == result
+    assert result["length"] >= 1024 and result["samples"] == 16
+    assert result["accuracy"] >= floor, result
