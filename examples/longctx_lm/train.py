@@ -172,6 +172,12 @@ def save_checkpoint(path: str, state: dict, model_cfg: ModelConfig, cfg: TrainCo
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(os.path.join(path, "state"), state, force=True)
     ckptr.wait_until_finished()
+    # Orbax's completion marker records the absolute path it wrote to; keep the committed
+    # checkpoint free of machine paths (only the marker's presence is read on restore).
+    marker = os.path.join(path, "state", "commit_success.txt")
+    if os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write("Checkpoint commit was successful to state\n")
     meta = {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(cfg), "history": history}  # fmt: skip
     with open(os.path.join(path, "config.json.tmp"), "w") as f:
         json.dump(meta, f, indent=1)
