@@ -185,8 +185,7 @@ class Server:
         token = jnp.asarray(full[np.arange(B), last])
         prev = jnp.asarray(prev_full[np.arange(B), last])
         out, cache, stack = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens)  # fmt: skip
-        used, unused = paged.taken_pages(stack, len(reserve))
-        del used
+        _, unused = paged.taken_pages(stack, len(reserve))
         self.allocator.settle(rows, np.asarray(cache.page_table), np.asarray(cache.lengths), unused=unused)  # fmt: skip
         self.cache = cache
         for s in rows:

@@ -207,23 +207,25 @@ def load_checkpoint(path: str) -> tuple[Transformer, dict]:
     return nnx.merge(graphdef, state["params"], rest), meta
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _predict(graphdef, attend, state, ex: Example):
+    """Greedy next tokens ``[B, T]``; one compile per model, attention and shape (module
+    level, so periodic evaluations during training reuse it)."""
+    model = nnx.merge(graphdef, state)
+    return jnp.argmax(model(ex.inputs, ex.positions, attend, ex.prev_tokens), -1)
+
+
 def evaluate(model, task: str, context: int, samples: int, seed: int, attend, batch_size=16):
     """Exact-match accuracy: a passkey sample counts if all its digits are right, a recall
     query if its value is right."""
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def predict(state, ex: Example):
-        model = nnx.merge(graphdef, state)
-        return jnp.argmax(model(ex.inputs, ex.positions, attend, ex.prev_tokens), -1)
-
     rng = np.random.default_rng(seed)
     right = total = 0
     for start in range(0, samples, batch_size):
         n = min(batch_size, samples - start)
         batch = make_batch(task_config(task, context), n, rng)
         ex = model_inputs(batch)
-        pred = np.asarray(predict(state, ex))
+        pred = np.asarray(_predict(graphdef, attend, state, ex))
         mask = np.asarray(ex.mask)
         ok = (pred == np.asarray(ex.targets)) | (mask == 0)
         if task == "passkey":
