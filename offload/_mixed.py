@@ -1,7 +1,7 @@
 """Decode over mixed residency: device-resident pages, optionally merged with cold pages.
 
-Residency is two page tables of the same shape ``[B, M]`` over pools of the same shape
-``[K, P, C, H]``: ``device_table`` points into the device pool, ``cold_table`` into the cold
+Residency is two page tables of the same shape ``[B, M]`` over pools ``[K, P, C, H]`` (the
+device pool) and ``[K, Pc, C, H]`` (the cold pool: any number of pages): ``device_table`` points into the device pool, ``cold_table`` into the cold
 pool (pages demoted to host or disk and fetched for this step); ``0`` (the null page) means
 "absent from this tier". A slot must be non-zero in at most one table (:func:`split_residency`
 guarantees it). Each part is an ordinary ``paged.paged_attention`` call (one mask, validated
@@ -99,8 +99,8 @@ def mixed_residency_attention(
     lengths: Int[Array | np.ndarray, " B"],
     *,
     cold_table: Int[Array | np.ndarray, "B M"] | None = None,
-    cold_k_pages: Float[Array, "K P C H"] | None = None,
-    cold_v_pages: Float[Array, "K P C H"] | None = None,
+    cold_k_pages: Float[Array, "K Pc C H"] | None = None,
+    cold_v_pages: Float[Array, "K Pc C H"] | None = None,
     q_positions: Int[Array | np.ndarray, "B T"] | None = None,
     mask: ringattn.MaskSpec | None = None,
     causal: bool | np.bool_ | None = None,
@@ -129,9 +129,10 @@ def mixed_residency_attention(
       lengths: ``[B]`` int tokens per sequence (positions ``>= lengths`` are ignored).
       cold_table: optional ``[B, M]`` int, cold page per slot, 0 = absent; disjoint from
         ``device_table`` (a slot set in both would be counted twice).
-      cold_k_pages: ``[K, P, C, H]`` cold key pool fetched for this step; defaults to
+      cold_k_pages: ``[K, Pc, C, H]`` cold key pool fetched for this step (any number of
+        pages ``Pc``, page 0 null: a staging pool holding just the fetched pages); defaults to
         ``k_pages`` (both tiers simulated in one pool).
-      cold_v_pages: ``[K, P, C, H]`` cold value pool; given together with ``cold_k_pages``.
+      cold_v_pages: ``[K, Pc, C, H]`` cold value pool; given together with ``cold_k_pages``.
       q_positions: ``[B, T]`` int, default ``lengths - T + arange(T)`` (the last tokens).
       mask: a :class:`ringattn.MaskSpec` (then none of the four keywords below), validated
         by :func:`ringattn.resolve_mask` as in ``paged.paged_attention``.
@@ -206,11 +207,20 @@ def mixed_residency_attention(
         check_table(fn, "cold_table", cold_table, device_table.shape)
         if cold_k_pages is None:
             cold_k_pages, cold_v_pages = k_pages, v_pages
+        K, _, C = k_pages.shape[:3]
         for name, pool in (("cold_k_pages", cold_k_pages), ("cold_v_pages", cold_v_pages)):
-            if pool.shape != k_pages.shape:
+            if pool.ndim != 4 or (pool.shape[0], *pool.shape[2:]) != (K, C, H) or pool.shape[1] < 1:
                 raise ValueError(
-                    f"{fn}: {name}: expected shape {tuple(k_pages.shape)}, got {tuple(pool.shape)}"
+                    f"{fn}: {name}: expected shape [K={K}, Pc >= 1, C={C}, H={H}], got "
+                    f"{tuple(pool.shape)}"
                 )
+            if pool.dtype != k_pages.dtype:
+                raise ValueError(f"{fn}: {name}: expected dtype {k_pages.dtype}, got {pool.dtype}")
+        if cold_v_pages.shape != cold_k_pages.shape:
+            raise ValueError(
+                f"{fn}: cold_v_pages: expected cold_k_pages' shape {tuple(cold_k_pages.shape)}, "
+                f"got {tuple(cold_v_pages.shape)}"
+            )
     lengths = lengths.astype(jnp.int32)
     if q_positions is None:
         q_positions = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]

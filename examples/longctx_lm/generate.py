@@ -21,12 +21,14 @@ prefix cache of earlier ones.
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import offload
 import paged
 from examples.longctx_lm.model import Transformer
 
@@ -34,57 +36,101 @@ from examples.longctx_lm.model import Transformer
 def _cached_forward(model: Transformer, cache: paged.PagedKVCache, tokens, prev_tokens,
                     positions, attend_layer):  # fmt: skip
     """Runs the model over ``tokens [B, T]`` at ``positions``, writing every layer's K/V into
-    ``cache`` first and attending with ``attend_layer(q, cache, layer)``; returns
-    ``(logits [B, T, V], cache)``."""
+    ``cache`` first and attending with ``attend_layer(q, cache, layer) -> (out, page_mass)``;
+    returns ``(logits [B, T, V], cache, masses)`` with ``masses`` the per-layer page masses
+    (a list, empty entries None)."""
     x = model.embed_inputs(tokens, prev_tokens)
+    masses = []
     for layer, block in enumerate(model.blocks):
         q, k, v = block.attn.project(block.attn_norm(x), positions)
         cache = paged.write_layer(cache, layer, k, v, positions[:, 0])
-        x = x + block.attn.output(attend_layer(q, cache, layer))
+        out, mass = attend_layer(q, cache, layer)
+        masses.append(mass)
+        x = x + block.attn.output(out)
         x = x + block.mlp(block.mlp_norm(x))
-    return model.logits(x), cache
+    return model.logits(x), cache, masses
 
 
-def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start):
-    """One chunk ``[B, T]`` at ``start [B]``: pages written, logits of every position."""
+def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start, n, per_query: bool):
+    """One chunk ``tokens [B, T]`` at ``start [B]``, of which row ``b`` holds ``n[b]`` real
+    tokens (the rest is padding, written past the row's end and never read).
+
+    The real queries are packed to the front of the flat batch so that
+    ``ragged_paged_attention`` sees exactly them: its ``page_mass`` is then the attention of
+    real queries only. With ``per_query`` every query is its own (one-token) sequence on its
+    row's page table, which gives the mass of each query separately (the observation window
+    of the retention policies) at the same result.
+
+    Returns ``(cache, mass)``: ``mass`` is the page mass summed over layers, ``[B, N, M]``
+    (summed over the chunk's real queries) or, with ``per_query``, ``[B, T, N, M]``.
+    """
     model = nnx.merge(graphdef, state)
     B, T = tokens.shape
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
-    # Every row attends as if it held T new tokens; a row's padding tokens come after its real
-    # ones, so causality keeps them out of the real queries' view.
-    lengths = start + T
-    cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    valid = (jnp.arange(T)[None, :] < n[:, None]).reshape(-1)  # [B * T]
+    order = jnp.argsort(~valid, stable=True)  # the real queries first, in row order
+    inverse = jnp.argsort(order)
+    if per_query:
+        row, t = order // T, order % T
+        table = cache.page_table[row]
+        lengths = start[row] + t + 1
+        cu = jnp.arange(B * T + 1, dtype=jnp.int32)
+        num_seqs = valid.sum()
+    else:
+        table, lengths = cache.page_table, start + n
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n).astype(jnp.int32)])
+        num_seqs = B
 
     def attend(q, cache, layer):
+        flat = q.reshape(B * T, *q.shape[2:])[order]
         res = paged.ragged_paged_attention(
-            q.reshape(B * T, *q.shape[2:]), cache.k_pages[layer], cache.v_pages[layer],
-            cache.page_table, lengths, cu, B,
+            flat, cache.k_pages[layer], cache.v_pages[layer], table, lengths, cu, num_seqs,
+            return_page_mass=True,
         )  # fmt: skip
-        return res.out.reshape(q.shape)
+        out = jnp.where(valid[:, None, None], res.out[inverse], 0).reshape(q.shape)
+        mass = res.page_mass
+        if per_query:
+            mass = jnp.where(valid[:, None, None], mass[inverse], 0)
+            mass = mass.reshape(B, T, *mass.shape[1:])
+        return out, mass
 
-    return _cached_forward(model, cache, tokens, prev_tokens, positions, attend)
+    _, cache, masses = _cached_forward(model, cache, tokens, prev_tokens, positions, attend)
+    return cache, sum(masses)
 
 
-_prefill_chunk_jit = jax.jit(_prefill_chunk, static_argnums=0)
+_prefill_chunk_jit = jax.jit(_prefill_chunk, static_argnums=(0, 7))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6))
-def _decode(graphdef, state, cache, stack, token, prev, steps: int):
-    """``steps`` greedy tokens for every row; returns ``(tokens [B, steps], cache, stack)``."""
+def _decode(graphdef, state, cache, stack, token, prev, steps: int, absent=None, cold=None):
+    """``steps`` greedy tokens for every row; returns ``(tokens [B, steps], cache, stack)``.
+
+    ``absent [B, M]`` bool marks table slots whose pages are not on the device (dropped or
+    demoted by a retention policy): attention skips them there, and, with
+    ``cold = (cold_table [B, M], cold_k [L, K, Pc, C, H], cold_v)``, reads them from the
+    fetched cold pool instead (``offload.mixed_residency_attention``).
+    """
     model = nnx.merge(graphdef, state)
     B = token.shape[0]
 
     def attend(q, cache, layer):
         # The new token is already written at position lengths: attend over lengths + 1 keys.
-        return paged.paged_attention(
-            q, cache.k_pages[layer], cache.v_pages[layer], cache.page_table, cache.lengths + 1
-        ).out
+        table = cache.page_table if absent is None else jnp.where(absent, 0, cache.page_table)
+        k, v = cache.k_pages[layer], cache.v_pages[layer]
+        if cold is None:
+            return paged.paged_attention(q, k, v, table, cache.lengths + 1).out, None
+        cold_table, cold_k, cold_v = cold
+        res = offload.mixed_residency_attention(
+            q, k, v, table, cache.lengths + 1,
+            cold_table=cold_table, cold_k_pages=cold_k[layer], cold_v_pages=cold_v[layer],
+        )  # fmt: skip
+        return res.out, None
 
     def step(i, carry):
         cache, stack, token, prev, out = carry
         cache, stack, ok = paged.ensure_next_page(cache, stack)
         positions = cache.lengths[:, None]
-        logits, cache = _cached_forward(model, cache, token[:, None], prev[:, None], positions, attend)  # fmt: skip
+        logits, cache, _ = _cached_forward(model, cache, token[:, None], prev[:, None], positions, attend)  # fmt: skip
         cache = paged.advance(cache, ok.astype(jnp.int32))
         nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
         return cache, stack, nxt, token, out.at[:, i].set(nxt)
@@ -92,6 +138,111 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int):
     out = jnp.zeros((B, steps), jnp.int32)
     cache, stack, _, _, out = jax.lax.fori_loop(0, steps, step, (cache, stack, token, prev, out))
     return out, cache, stack
+
+
+class PromptView(NamedTuple):
+    """What a retention rule sees at the end of prefill (one selection for all layers: the
+    cache has one page table, so a page is resident in every layer or in none).
+
+    Attributes:
+      k_pages, v_pages: ``[L, K, P, C, H]`` the pools, with every prompt page written.
+      page_table: ``[B, M]`` int the rows' tables (0 = null page).
+      lengths: ``[B]`` int tokens in the cache (the prompt but its last token).
+      prompt_mass: ``[B, N, M]`` float32 attention probability per page, summed over every
+        prefilled query and over layers (H2O's accumulated mass; tokens served from the prefix
+        cache were not prefilled by this request and contribute nothing).
+      window_mass: ``[W, B, N, M]`` float32 the same, for each of the last ``W`` prefilled
+        queries separately (oldest first; zeros where a row had fewer): SnapKV's observation
+        window, TOVA's last query, Scissorhands' steps.
+      page_size: ``C``.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    page_table: jax.Array
+    lengths: jax.Array
+    prompt_mass: jax.Array
+    window_mass: jax.Array
+    page_size: int
+
+
+def policy_select(policy: offload.RetentionPolicy):
+    """A retention rule ``view -> keep [B, M] bool`` from an ``offload.RetentionPolicy``
+    (page granularity): the policy's scores are fed from the prefill's attention (H2O the
+    accumulated ``prompt_mass``, SnapKV the summed ``window_mass``, TOVA its last query,
+    Scissorhands each window query in turn) and ``offload.select_keep`` picks the pages."""
+    if not isinstance(policy, offload.RetentionPolicy) or policy.granularity != "page":
+        raise ValueError(f"policy_select: policy: expected a page RetentionPolicy, got {policy!r}")
+
+    def select(view: PromptView):
+        B, M = view.page_table.shape
+        state = offload.init_policy_state(B, M, policy=policy)
+        update = functools.partial(offload.update_policy_state, policy=policy)
+        if policy.kind == "h2o":
+            state = update(state, view.prompt_mass)
+        elif policy.kind == "snapkv":
+            state = update(state, view.window_mass.sum(0))
+        elif policy.kind == "tova":
+            state = update(state, view.window_mass[-1])
+        elif policy.uses_scores:  # scissorhands: one observation per query
+            for w in range(view.window_mass.shape[0]):
+                state = update(state, view.window_mass[w])
+        return offload.select_keep(state, view.lengths, policy=policy, page_table=view.page_table).keep  # fmt: skip
+
+    return select
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """Which prompt pages stay on the device after prefill, and what happens to the rest.
+
+    Attributes:
+      select: an ``offload.RetentionPolicy`` (see :func:`policy_select`) or any function
+        ``PromptView -> keep [B, M] bool`` (the quality harness's hook: a rule of your own,
+        an oracle).
+      mode: ``"drop"``: the other pages are never read again (the decode's approximation);
+        ``"demote"``: they are copied to pinned host memory (``offload.OffloadManager``),
+        fetched back into a cold pool and read from there (exact).
+      window: ``W``, prompt queries observed one by one at the end of prefill.
+      scrub: demote only: overwrite the device copies of demoted pages with NaN, so nothing
+        can read them by mistake (a testing aid; it spoils the prefix cache of those pages).
+    """
+
+    select: Any
+    mode: str = "drop"
+    window: int = 16
+    scrub: bool = False
+
+    def __post_init__(self):
+        if self.mode not in ("drop", "demote"):
+            raise ValueError(f"Retention: mode: expected 'drop' or 'demote', got {self.mode!r}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"Retention: window: expected an int >= 1, got {self.window!r}")
+        if self.scrub and self.mode != "demote":
+            raise ValueError("Retention: scrub: only for mode='demote'")
+        if not (isinstance(self.select, offload.RetentionPolicy) or callable(self.select)):
+            raise ValueError(
+                f"Retention: select: expected a RetentionPolicy or a callable, got {self.select!r}"
+            )
+
+    def rule(self):
+        if isinstance(self.select, offload.RetentionPolicy):
+            return policy_select(self.select)
+        return self.select
+
+
+class GenerationInfo(NamedTuple):
+    """What the last :meth:`Server.generate` did with the prompt pages.
+
+    Attributes:
+      prompt_pages: ``[B]`` live prompt pages per row.
+      kept_pages: ``[B]`` of them resident on the device during decode.
+      moved_bytes: bytes copied to host and back (demote), 0 otherwise.
+    """
+
+    prompt_pages: np.ndarray
+    kept_pages: np.ndarray
+    moved_bytes: int
 
 
 @dataclasses.dataclass
@@ -127,17 +278,27 @@ class Server:
         )  # fmt: skip
         self.graphdef, self.state = nnx.split(self.model)
         self._ids = 0
+        self.offload: offload.OffloadManager | None = None
+        self.last_info: GenerationInfo | None = None
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, salt=None):
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, salt=None,
+                 retention: Retention | None = None):  # fmt: skip
         """Greedy continuations of up to ``batch`` prompts; returns a list of int arrays.
 
         The prompts' pages are committed (later calls sharing a prefix reuse them); every
-        page of these requests is freed at the end (committed full pages stay cached).
+        page of these requests is freed at the end (committed full pages stay cached). With
+        ``retention``, the last ``retention.window`` prompt tokens are prefilled one query at
+        a time to observe their attention, the rule picks the prompt pages that stay on the
+        device, and the rest are dropped or demoted (see :class:`Retention`); the page the
+        decode writes into (holding the prompt's last token) always stays. Pages made by the
+        decode are all kept. :attr:`last_info` says what happened.
         """
         if not 1 <= len(prompts) <= self.batch:
             raise ValueError(f"generate: prompts: expected 1..{self.batch}, got {len(prompts)}")
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens: expected >= 1, got {max_new_tokens}")
+        if retention is not None and not isinstance(retention, Retention):
+            raise ValueError(f"generate: retention: expected a Retention, got {retention!r}")
         prompts = [np.asarray(p, np.int32) for p in prompts]
         for p in prompts:
             if p.ndim != 1 or p.size < 1 or p.size + max_new_tokens > self.max_len:
@@ -145,7 +306,7 @@ class Server:
                     f"generate: prompts: expected 1..{self.max_len - max_new_tokens} tokens each"
                     f", got shape {p.shape}"
                 )
-        B = self.batch
+        B, C = self.batch, self.page_size
         seqs = [("req", self._ids + i) for i in range(len(prompts))]
         pad_seqs = [("pad", self._ids + i) for i in range(B - len(prompts))]
         self._ids += B
@@ -160,37 +321,102 @@ class Server:
         )
         # Prefill everything but each prompt's last token in chunks; the last token starts the
         # decode loop (its logits give the first new token).
-        full = np.zeros((B, self.max_len), np.int32)
+        W = retention.window if retention is not None else 0
+        full = np.zeros((B, self.max_len + max(self.chunk, W)), np.int32)
         for i, p in enumerate(prompts):
             full[i, : len(p)] = p
         prev_full = np.pad(full[:, :-1], ((0, 0), (1, 0)))
-        pos = starts.copy()
-        last = ends - 1
-        while (pos < last).any():
-            T = self.chunk
-            idx = np.clip(pos[:, None] + np.arange(T), 0, self.max_len - 1)
-            tokens = np.take_along_axis(full, idx, 1)
-            prev = np.take_along_axis(prev_full, idx, 1)
-            _, cache = _prefill_chunk_jit(self.graphdef, self.state, cache, jnp.asarray(tokens), jnp.asarray(prev), jnp.asarray(pos))  # fmt: skip
-            pos = np.minimum(pos + T, np.maximum(last, pos))
+        pos, last = starts.copy(), ends - 1
+        observe_from = np.maximum(pos, last - W)
+
+        def chunk(pos, n, T, per_query):
+            idx = pos[:, None] + np.arange(T)
+            args = (jnp.asarray(np.take_along_axis(a, idx, 1)) for a in (full, prev_full))
+            return _prefill_chunk_jit(self.graphdef, self.state, cache, *args, jnp.asarray(pos), jnp.asarray(n), per_query)  # fmt: skip
+
+        prompt_mass = 0.0
+        while (pos < observe_from).any():
+            n = np.clip(observe_from - pos, 0, self.chunk).astype(np.int32)
+            cache, mass = chunk(pos, n, self.chunk, False)
+            prompt_mass, pos = prompt_mass + mass, pos + n
+        window_mass = None
+        if retention is not None:
+            n = (last - pos).astype(np.int32)
+            cache, mass = chunk(pos, n, W, True)  # [B, W, N, M]
+            # Right-align each row's queries: window_mass[W - 1] is its last prefilled query.
+            src = np.arange(W)[None, :] - (W - n)[:, None]
+            mass = jnp.where(
+                jnp.asarray(src >= 0)[:, :, None, None],
+                jnp.take_along_axis(mass, jnp.asarray(np.maximum(src, 0))[:, :, None, None], 1),
+                0.0,
+            )
+            prompt_mass = prompt_mass + mass.sum(1)
+            window_mass = jnp.moveaxis(mass, 1, 0)
         cache = paged.with_page_table(cache, cache.page_table, jnp.asarray(last))
         for s, a in zip(seqs, admissions, strict=True):
             self.allocator.commit(s, a.num_tokens - 1)
+        absent, cold, info = self._retain(cache, retention, prompt_mass, window_mass, last)
+        if retention is not None and retention.scrub and info.moved_bytes:
+            ids = jnp.asarray(np.asarray(cache.page_table)[absent])
+            cache = cache._replace(
+                k_pages=cache.k_pages.at[:, :, ids].set(jnp.nan),
+                v_pages=cache.v_pages.at[:, :, ids].set(jnp.nan),
+            )
+        self.last_info = info
         # Pages for the generated tokens come from an on-device stack (no host round trips).
-        need = sum(
-            -(-(e + max_new_tokens) // self.page_size) - -(-e // self.page_size) + 1 for e in ends
-        )
+        need = sum(-(-(e + max_new_tokens) // C) - -(-e // C) + 1 for e in ends)
         reserve = self.allocator.reserve(need)
         stack = paged.make_free_stack(reserve, capacity=self.num_pages)
         token = jnp.asarray(full[np.arange(B), last])
         prev = jnp.asarray(prev_full[np.arange(B), last])
-        out, cache, stack = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens)  # fmt: skip
+        absent_arg = None if absent is None else jnp.asarray(absent)
+        out, cache, stack = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, absent_arg, cold)  # fmt: skip
         _, unused = paged.taken_pages(stack, len(reserve))
         self.allocator.settle(rows, np.asarray(cache.page_table), np.asarray(cache.lengths), unused=unused)  # fmt: skip
         self.cache = cache
         for s in rows:
             self.allocator.free(s)
         return [np.asarray(out[i]) for i in range(len(prompts))]
+
+    def _retain(self, cache, retention, prompt_mass, window_mass, last):
+        """Applies ``retention``: returns ``(absent [B, M] | None, cold | None, info)``."""
+        table = np.asarray(cache.page_table)
+        M = table.shape[1]
+        live = (np.arange(M)[None, :] < -(-last // self.page_size)[:, None]) & (table != 0)
+        if retention is None:
+            n = live.sum(1)
+            return None, None, GenerationInfo(n, n, 0)
+        view = PromptView(cache.k_pages, cache.v_pages, cache.page_table, cache.lengths,
+                          prompt_mass, window_mass, self.page_size)  # fmt: skip
+        keep = np.array(retention.rule()(view), bool)
+        if keep.shape != table.shape:
+            raise ValueError(f"generate: retention.select: expected keep {table.shape}, got {keep.shape}")  # fmt: skip
+        # The page holding the prompt's last token is where the decode writes: keep it.
+        rows = np.arange(len(last))
+        writing = last // self.page_size
+        keep[rows, writing] |= live[rows, writing]
+        absent = live & ~keep
+        info = GenerationInfo(live.sum(1), (live & keep).sum(1), 0)
+        if retention.mode == "drop" or not absent.any():
+            return absent, None, info
+        # Demote: every absent page goes to pinned host memory, then comes back into a cold
+        # pool that the decode reads (all of them are fetched: the result is exact).
+        if self.offload is None:
+            host = offload.make_host_page_pool(cache.k_pages, cache.v_pages, self.num_pages)
+            self.offload = offload.OffloadManager(host)
+        rid = f"call-{self._ids}"
+        ids = table[absent]
+        out = self.offload.page_out(cache.k_pages, cache.v_pages, ids, request_id=rid)
+        self.offload.wait(out)
+        n_cold = 16 * -(-(ids.size + 1) // 16)  # bucketed: fewer decode compiles
+        shape = (*cache.k_pages.shape[:2], n_cold, *cache.k_pages.shape[3:])
+        cold_k = jnp.zeros(shape, cache.k_pages.dtype)
+        back = self.offload.page_in(cold_k, jnp.zeros_like(cold_k), np.arange(1, ids.size + 1), request_id=rid)  # fmt: skip
+        cold_k, cold_v = self.offload.wait(back)
+        cold_table = np.zeros_like(table)
+        cold_table[absent] = np.arange(1, ids.size + 1)
+        info = info._replace(moved_bytes=int(out.nbytes + back.nbytes))
+        return absent, (jnp.asarray(cold_table), cold_k, cold_v), info
 
 
 def generate_dense(model: Transformer, prompt: Sequence[int], max_new_tokens: int, attend):

@@ -180,3 +180,115 @@ def test_the_committed_checkpoint_solves_fresh_samples(task, floor, capsys):
     assert printed == result
     assert result["length"] >= 1024 and result["samples"] == 16
     assert result["accuracy"] >= floor, result
+
+
+def _retention_setup(seed=4, length=64, prompt_len=50):
+    from examples.longctx_lm import generate
+
+    model = tiny_model(seed)
+    batch = data.make_batch(data.TaskConfig("passkey", length=length), 2, seed=seed)
+    prompts = [list(row[:prompt_len]) for row in batch.tokens]
+    prompts[1] = prompts[1][:37]  # ragged: rows end on different pages
+    server = generate.Server(model, num_pages=96, page_size=4, max_len=80, batch=3, chunk=8)
+    return generate, model, server, prompts
+
+
+def _masked_dense(dropped_positions, decode_from):
+    """Dense attention where queries at positions >= decode_from do not see the dropped keys."""
+    import ringattn
+
+    def attend(q, k, v, positions):
+        S = k.shape[1]
+        seen = np.ones((S, S), bool)
+        seen[decode_from:, list(dropped_positions)] = False
+        mask = ringattn.MaskSpec(causal=True, dense=ringattn.DenseMask(seen))
+        pos = ringattn.Positions(positions, positions)
+        return ringattn.attention_reference(q, k, v, mask=mask, positions=pos).out
+
+    return attend
+
+
+@pytest.mark.parametrize("kind", ["recency", "streaming", "h2o", "snapkv", "tova"])
+def test_generation_with_dropped_pages_equals_dense_with_those_keys_masked(kind):
+    """Drop mode: the decode reads exactly the kept pages (oracle: dense recompute whose decode
+    queries cannot see the dropped positions), and the policy's budget is what is kept."""
+    import offload
+
+    generate, model, server, prompts = _retention_setup()
+    policy = offload.RetentionPolicy(
+        kind, 0.4, page_size=4, **({} if kind == "recency" else {"sink": 1}),
+        **({"recent": 1} if kind in ("h2o", "snapkv", "tova") else {}),
+    )  # fmt: skip
+    seen = {}
+
+    def select(view):
+        seen["keep"] = keep = np.asarray(generate.policy_select(policy)(view))
+        seen["view"] = view
+        return keep
+
+    got = server.generate(prompts, 5, retention=generate.Retention(select, mode="drop", window=6))
+    info, view = server.last_info, seen["view"]
+    table = np.asarray(view.page_table)
+    for b, p in enumerate(prompts):
+        last = len(p) - 1
+        live = -(-last // 4)
+        assert info.prompt_pages[b] == live
+        budget = int(offload.budget_units(policy, live))
+        assert budget <= info.kept_pages[b] <= budget + 1  # + the page being written
+        kept = seen["keep"][b].copy()
+        kept[last // 4] = True
+        dropped = [t for t in range(last) if not kept[t // 4]]
+        assert dropped or budget >= live
+        want = generate.generate_dense(model, p, 5, _masked_dense(dropped, last))
+        np.testing.assert_array_equal(got[b], want)
+        # The observed attention: every prefilled query's probabilities sum to 1 per head and
+        # layer (padding queries excluded), and the window holds the last 6 queries one by one.
+        N, L = TINY.num_heads, TINY.num_layers
+        np.testing.assert_allclose(float(view.prompt_mass[b].sum()), last * N * L, rtol=1e-4)
+        per_query = np.asarray(view.window_mass[:, b].sum((1, 2)))
+        np.testing.assert_allclose(per_query, N * L, rtol=1e-4)
+        assert (table[b, live:] == 0).all() or (np.asarray(view.prompt_mass[b, :, live:]) == 0).all()  # fmt: skip
+
+
+def test_generation_with_80_percent_of_pages_demoted_to_host_is_exact():
+    """Demote mode: 80% of the prompt pages go to pinned host memory, their device copies are
+    overwritten with NaN, and the decode reads them from the fetched cold pool: greedy output
+    equals dense generation; the next call (fresh prompts) is unaffected."""
+    import offload
+
+    generate, model, server, prompts = _retention_setup(seed=5)
+    policy = offload.RetentionPolicy("h2o", 0.2, page_size=4, sink=1, recent=1)
+    retention = generate.Retention(policy, mode="demote", window=4, scrub=True)
+    got = server.generate(prompts, 6, retention=retention)
+    info = server.last_info
+    demoted = 1 - info.kept_pages.sum() / info.prompt_pages.sum()
+    assert demoted >= 0.7, demoted
+    page_bytes = 2 * TINY.num_layers * TINY.num_kv_heads * 4 * TINY.head_dim * 4
+    moved = int((info.prompt_pages - info.kept_pages).sum())
+    assert info.moved_bytes == 2 * moved * page_bytes  # out to host and back
+    assert server.offload.host_pool.k_pages.sharding.memory_kind == "pinned_host"
+    for p, g in zip(prompts, got, strict=True):
+        np.testing.assert_array_equal(g, generate.generate_dense(model, p, 6, attention.dense()))
+    assert server.offload.free_slots == server.num_pages  # fetched back: host slots released
+    other = [list(data.make_batch(data.TaskConfig("passkey", length=40), 1, seed=1).tokens[0][:33])]
+    np.testing.assert_array_equal(
+        server.generate(other, 4, salt="fresh")[0],
+        generate.generate_dense(model, other[0], 4, attention.dense()),
+    )
+
+
+def test_retention_rejects_bad_options():
+    import offload
+    from examples.longctx_lm import generate
+
+    with pytest.raises(ValueError, match="mode"):
+        generate.Retention(lambda view: None, mode="evict")
+    with pytest.raises(ValueError, match="window"):
+        generate.Retention(lambda view: None, window=0)
+    with pytest.raises(ValueError, match="scrub"):
+        generate.Retention(lambda view: None, scrub=True)
+    with pytest.raises(ValueError, match="page RetentionPolicy"):
+        generate.policy_select(offload.RetentionPolicy("h2o", 4, granularity="token"))
+    _, _, server, prompts = _retention_setup()
+    with pytest.raises(ValueError, match="keep"):
+        server.generate(prompts, 2, retention=generate.Retention(lambda view: np.ones((1, 2), bool)))

@@ -76,13 +76,27 @@ def _policy_selection(budget, q, k, lengths, kind="h2o"):
     return select_keep(state, lengths, policy=pol), page_mass
 
 
-@pytest.mark.parametrize(("separate_pool", "jit"), [(False, False), (True, True)])
+@pytest.mark.parametrize(
+    ("separate_pool", "jit"), [(False, False), (True, True), ("compact", False), ("compact", True)]
+)
 def test_every_page_fetched_equals_full_attention(separate_pool, jit):
     q, k, v, k_pages, v_pages, table, lengths = _setup()
     sel, _ = _policy_selection(0.3, q, k, lengths)
     device_table, cold_table = split_residency(table, sel.keep, sel.demote)
     cold_k, cold_v = None, None
-    if separate_pool:
+    if separate_pool == "compact":
+        # A staging pool of just the demoted pages (ids 1..n, fewer pages than the device's).
+        demoted = np.asarray(sel.demote)
+        ids = np.asarray(table)[demoted]
+        cold_k = jnp.zeros((k_pages.shape[0], ids.size + 1, *k_pages.shape[2:]), k_pages.dtype)
+        cold_k, cold_v = cold_k.at[:, 1:].set(k_pages[:, ids]), cold_k.at[:, 1:].set(v_pages[:, ids])
+        compact = np.zeros(table.shape, np.int32)
+        compact[demoted] = np.arange(1, ids.size + 1)
+        cold_table = jnp.asarray(compact)
+        assert ids.size + 1 < P
+        k_pages = k_pages.at[:, jnp.asarray(ids)].set(jnp.nan)
+        v_pages = v_pages.at[:, jnp.asarray(ids)].set(jnp.nan)
+    elif separate_pool:
         # The cold tier is its own pool, with the demoted pages under new ids.
         rng = np.random.default_rng(5)
         new_ids = jnp.asarray(rng.permutation(np.arange(1, P)), jnp.int32)
@@ -238,7 +252,13 @@ def test_errors():
         f(q, k_pages, v_pages, table, lengths, cold_table=table[:, :2])
     with pytest.raises(ValueError, match="cold_k_pages: expected shape"):
         f(q, k_pages, v_pages, table, lengths, cold_table=table,
-          cold_k_pages=k_pages[:, :3], cold_v_pages=v_pages[:, :3])  # fmt: skip
+          cold_k_pages=k_pages[..., :3], cold_v_pages=v_pages[..., :3])  # fmt: skip
+    with pytest.raises(ValueError, match="cold_v_pages: expected cold_k_pages' shape"):
+        f(q, k_pages, v_pages, table, lengths, cold_table=table,
+          cold_k_pages=k_pages[:, :3], cold_v_pages=v_pages[:, :4])  # fmt: skip
+    with pytest.raises(ValueError, match="cold_k_pages: expected dtype"):
+        f(q, k_pages, v_pages, table, lengths, cold_table=table,
+          cold_k_pages=k_pages.astype(jnp.bfloat16), cold_v_pages=v_pages)  # fmt: skip
     with pytest.raises(ValueError, match="q_positions: expected shape"):
         f(q, k_pages, v_pages, table, lengths, q_positions=jnp.zeros((5, 2), jnp.int32))
     q2 = jnp.concatenate([q, q], axis=1)
