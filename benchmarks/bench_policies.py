@@ -3,7 +3,8 @@
 For each synthetic attention pattern (seeded real ``q``/``k``/``v``, decode with one query at the
 end of ``S`` tokens in pages of ``C``), each policy sees the attention of the ``W`` queries that
 precede the evaluated one (H2O accumulates all ``W``, SnapKV pools them as its observation
-window, TOVA uses the last one), keeps a budget of pages on the device, and the evaluated query
+window, TOVA uses the last one, Scissorhands counts in how many of the ``W`` steps each page's
+mass reached the mean), keeps a budget of pages on the device, and the evaluated query
 attends over the kept pages only (``offload.mixed_residency_attention`` without the cold part).
 Against full attention over every page (the same call with the demoted pages fetched) we report
 
@@ -117,6 +118,9 @@ def make_policies(budget, C, obs_window):
             "snapkv", budget, page_size=C, recent=recent_pages, head_reduce="max"
         ),
         "tova": RetentionPolicy("tova", budget, page_size=C),
+        "scissorhands": RetentionPolicy(
+            "scissorhands", budget, page_size=C, sink=1, recent=recent_pages
+        ),
         "oracle": RetentionPolicy("tova", budget, page_size=C),
     }
 
@@ -145,18 +149,27 @@ def run_pattern(name, *, B, S, K, G, H, C, W, seed):
     page_hist = tok_hist.reshape(B, N, M, C).sum(-1)
     tok_last = token_attention_mass(q_hist[:, -1:], k_j, lengths, q_positions=hist_pos[:, -1:])
     page_last = tok_last.reshape(B, N, M, C).sum(-1)
+    # Scissorhands observes the history one decode step at a time.
+    page_steps = [
+        token_attention_mass(q_hist[:, t : t + 1], k_j, lengths, q_positions=hist_pos[:, t : t + 1])
+        .reshape(B, N, M, C)
+        .sum(-1)
+        for t in range(W)
+    ]
     page_eval = token_attention_mass(q_eval, k_j, lengths).reshape(B, N, M, C).sum(-1)
     pool_k, pool_v, table = to_pages(k, v, C)
     full = _full(q_eval, pool_k, pool_v, table, lengths)
     rows = {}
     for budget in BUDGETS:
         for pname, pol in make_policies(budget, C, W).items():
-            feed = {"h2o": page_hist, "snapkv": page_hist, "tova": page_last}.get(pname)
+            feed = {"h2o": [page_hist], "snapkv": [page_hist], "tova": [page_last]}.get(pname, [])
+            if pname == "scissorhands":
+                feed = page_steps
             if pname == "oracle":
-                feed = page_eval
+                feed = [page_eval]
             state = init_policy_state(B, M, policy=pol)
-            if feed is not None:
-                state = update_policy_state(state, feed, policy=pol)
+            for obs in feed:
+                state = update_policy_state(state, obs, policy=pol)
             sel = select_keep(state, lengths, policy=pol, page_table=table)
             device_table, _ = split_residency(table, sel.keep, sel.demote)
             res = _kept(q_eval, pool_k, pool_v, device_table, lengths)
@@ -227,8 +240,10 @@ def main(argv=None):
         f"(M={cfg['S'] // cfg['C']} pages), N={cfg['K'] * cfg['G']} query heads over "
         f"K={cfg['K']} kv heads, H={cfg['H']}; decode of one query, policies fed by the "
         f"W={cfg['W']} previous queries; budget = fraction of pages kept on the device (page "
-        "granularity, ceil). streaming and H2O keep 1 sink page; H2O and SnapKV a 1-page "
-        "recent window (the observation window); SnapKV ranks by the max over heads; "
+        "granularity, ceil). streaming, H2O and Scissorhands keep 1 sink page; H2O, SnapKV "
+        "and Scissorhands a 1-page recent window (the observation window); SnapKV ranks by "
+        "the max over heads; Scissorhands is fed the W queries one step at a time (plain "
+        "counts, no history decay); "
         "oracle = top pages by the evaluated query's own mass.",
         "",
     ]

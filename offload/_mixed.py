@@ -41,7 +41,7 @@ class MixedAttention(NamedTuple):
       page_mass: ``[B, N, M]`` float32 attention probability per page-table slot summed over
         the queries, of the attention actually computed (device part alone, or device and cold
         merged), when ``return_page_mass``; else None. Feed it to
-        :func:`offload.update_policy_state` (H2O, TOVA).
+        :func:`offload.update_policy_state` (H2O, TOVA, Scissorhands).
     """
 
     out: Float[Array, "B T N H"]

@@ -27,15 +27,48 @@ Selection order (the first ``budget`` live units are kept, the rest demoted or d
 
 The kinds differ only in the scores they keep and their structural parts:
 
-=============  ==============================================================================
-``recency``    the ``budget`` most recent units (no scores).
-``streaming``  StreamingLLM: ``sink`` first units, the rest of the budget most recent.
-``h2o``        H2O: ``sink`` + ``recent`` units, the rest by *accumulated* attention mass.
-``snapkv``     SnapKV: scores *replaced* by the (pooled) attention mass of an observation
-               window of last queries, fed once at the end of prefill; ``recent`` should
-               cover the observation window.
-``tova``       TOVA: scores *replaced* at each step by the last query's attention.
-=============  ==============================================================================
+================  ===========================================================================
+``recency``       the ``budget`` most recent units (no scores).
+``streaming``     StreamingLLM: ``sink`` first units, the rest of the budget most recent.
+``h2o``           H2O: ``sink`` + ``recent`` units, the rest by *accumulated* attention mass.
+``snapkv``        SnapKV: scores *replaced* by the (pooled) attention mass of an observation
+                  window of last queries, fed once at the end of prefill; ``recent`` should
+                  cover the observation window.
+``tova``          TOVA: scores *replaced* at each step by the last query's attention.
+``scissorhands``  Scissorhands: scores *count* the observations in which the unit was
+                  *important* (see below), optionally over a decaying history window;
+                  ``recent`` is the paper's always-kept recent window.
+================  ===========================================================================
+
+Scissorhands (the persistence of importance: a token that mattered in many recent steps keeps
+mattering). At each :func:`update_policy_state` call, with ``m [B, U]`` the mass pooled and
+head-reduced exactly as for the other scored kinds:
+
+* a unit *takes part* in the observation when its raw mass is ``> 0`` in at least one head
+  (before pooling; NaN is not ``> 0``): masked and padded units, whose mass is exactly 0, take
+  no part and are never important (nor are units whose attention underflowed to 0);
+* the threshold of row ``b`` is ``min(mean, top)``: ``mean`` is the float32 sum of ``m`` over
+  the taking-part units divided by their count, ``top`` the largest such ``m`` (the cap keeps
+  the largest unit important even when the float32 mean of equal masses rounds above them);
+* a taking-part unit is *important* when ``m >= threshold``; a row with no taking-part unit
+  (or with a NaN among its taking-part masses) has no important unit, and never a NaN or a
+  division by zero: the scores stay finite counts;
+* ``scores = decay * scores + important`` with ``decay = 1 - 1 / history`` (``1`` when
+  ``history`` is None: plain counts).
+
+Deviations from the paper (Liu et al., 2023), which counts per token how often, within the last
+``w`` decode steps, its attention fell *below* an importance threshold and evicts the tokens
+counted unimportant most often (keeping a recent window): (a) the score counts *important*
+observations (higher = keep) so it ranks like every other scored kind; a unit younger than the
+history therefore has fewer observations and ranks low rather than high, so cover young units
+with ``recent`` (the paper also always keeps a recent window); (b) the threshold is this
+library's choice, the row's mean (the uniform share of the observed mass), capped as above; (c)
+the exact sliding window of ``w`` steps is replaced by an exponential decay with the same total
+weight (a unit important at every step tends to ``history``), since the state is one ``[B, U]``
+array; (d) the mean is over the units taking part (mass ``> 0``), not over every token of the
+context, and pages (``granularity="page"``) are judged by their summed mass like tokens; (e) the
+selection runs whenever :func:`select_keep` is called, with the shared ordering above, not only
+when a buffer fills.
 
 Heads share one page table, so a selection is per sequence, not per head: ``head_reduce="sum"``
 ranks by attention summed over query heads (H2O, TOVA), ``"max"`` by the largest per-head
@@ -47,7 +80,9 @@ evicted units as ``demote`` for the tier layer; ``mode="drop"`` as ``drop``.
 References:
   Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (StreamingLLM), 2023;
   Zhang et al., "H2O: Heavy-Hitter Oracle", 2023; Li et al., "SnapKV", 2024;
-  Oren et al., "Transformers are Multi-State RNNs" (TOVA), 2024.
+  Oren et al., "Transformers are Multi-State RNNs" (TOVA), 2024; Liu et al., "Scissorhands:
+  Exploiting the Persistence of Importance Hypothesis for LLM KV Cache Compression at Test
+  Time", 2023.
 """
 
 import functools
@@ -75,7 +110,8 @@ class PolicyState(NamedTuple):
 
     Attributes:
       scores: ``[B, U]`` float32: accumulated mass (H2O), last pooled observation-window mass
-        (SnapKV), last query's mass (TOVA), zeros for ``recency``/``streaming``.
+        (SnapKV), last query's mass (TOVA), the (decayed) count of important observations
+        (Scissorhands), zeros for ``recency``/``streaming``.
     """
 
     scores: Float[Array, "B U"]
@@ -145,11 +181,14 @@ def update_policy_state(
       mass: ``[B, N, U]`` non-negative attention probability per query head and unit, summed
         over the observed queries: ``page_mass`` of ``paged.paged_attention`` for pages,
         :func:`token_attention_mass` for tokens. H2O feeds every decode step, TOVA the last
-        query of every step, SnapKV the observation window once at the end of prefill.
+        query of every step, SnapKV the observation window once at the end of prefill,
+        Scissorhands every decode step (masked units must have mass exactly 0).
 
     Returns:
       The new state: H2O adds the pooled, head-reduced mass; SnapKV and TOVA replace the
-      scores with it; ``recency`` and ``streaming`` return ``state`` unchanged.
+      scores with it; Scissorhands decays the scores and adds 1 for each important unit (the
+      rule is in the module docstring); ``recency`` and ``streaming`` return ``state``
+      unchanged.
 
     Raises:
       ValueError: if ``mass`` is not rank 3, or its ``B``/``U`` disagree with ``state``.
@@ -168,11 +207,13 @@ def update_policy_state(
         raise ValueError(f"{fn}: mass: expected shape [B={B}, N, U={U}], got {tuple(mass.shape)}")
     if not policy.uses_scores:
         return state
+    rule = {"h2o": "add", "scissorhands": "count"}.get(policy.kind, "replace")
     return PolicyState(
         scores=_update_impl(
             state.scores,
             mass,
-            accumulate=policy.kind == "h2o",
+            rule=rule,
+            decay=policy.decay,
             pool_size=policy.pool_size,
             pool=policy.pool,
             head_reduce=policy.head_reduce,
@@ -180,10 +221,12 @@ def update_policy_state(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("accumulate", "pool_size", "pool", "head_reduce"))
-def _update_impl(scores, mass, *, accumulate, pool_size, pool, head_reduce):
-    """Pools each head's mass along the units, reduces over heads, adds or replaces."""
+@functools.partial(jax.jit, static_argnames=("rule", "decay", "pool_size", "pool", "head_reduce"))
+def _update_impl(scores, mass, *, rule, decay, pool_size, pool, head_reduce):
+    """Pools each head's mass along the units, reduces over heads, then adds (``"add"``),
+    replaces (``"replace"``) or counts the important units (``"count"``, Scissorhands)."""
     mass = mass.astype(jnp.float32)
+    taking_part = jnp.any(mass > 0, axis=1)  # [B, U], before pooling
     w = pool_size
     if w > 1:
         pad = ((0, 0), (0, 0), (w // 2, w // 2))
@@ -192,7 +235,16 @@ def _update_impl(scores, mass, *, accumulate, pool_size, pool, head_reduce):
         else:
             mass = jax.lax.reduce_window(mass, 0.0, jax.lax.add, (1, 1, w), (1, 1, 1), pad) / w
     reduced = jnp.sum(mass, axis=1) if head_reduce == "sum" else jnp.max(mass, axis=1)
-    return scores + reduced if accumulate else reduced
+    if rule == "add":
+        return scores + reduced
+    if rule == "replace":
+        return reduced
+    count = jnp.sum(taking_part, axis=-1, keepdims=True, dtype=jnp.float32)
+    total = jnp.sum(jnp.where(taking_part, reduced, 0.0), axis=-1, keepdims=True)
+    mean = total / jnp.maximum(count, 1.0)
+    top = jnp.max(jnp.where(taking_part, reduced, -jnp.inf), axis=-1, keepdims=True)
+    important = taking_part & (reduced >= jnp.minimum(mean, top))
+    return scores * jnp.float32(decay) + important.astype(jnp.float32)
 
 
 def units_by_length(policy: RetentionPolicy, lengths):

@@ -28,7 +28,24 @@ def update_policy_state_reference(scores, mass, *, policy: RetentionPolicy) -> n
         else:
             pooled[:, :, u] = window.sum(axis=-1) / w
     reduced = pooled.sum(axis=1) if policy.head_reduce == "sum" else pooled.max(axis=1)
-    return (scores + reduced) if policy.kind == "h2o" else reduced
+    if policy.kind == "h2o":
+        return scores + reduced
+    if policy.kind != "scissorhands":
+        return reduced
+    # Scissorhands: count the important units of this observation (module docstring of
+    # offload._policies), after decaying the counts.
+    out = scores * np.float32(policy.decay)
+    for b in range(B):
+        part = [u for u in range(U) if any(mass[b, n, u] > 0 for n in range(N))]
+        if not part:
+            continue
+        values = reduced[b, part]
+        mean = np.float32(np.sum(values, dtype=np.float32) / np.float32(len(part)))
+        threshold = min(mean, values.max()) if not np.isnan(mean) else np.nan
+        for u in part:
+            if reduced[b, u] >= threshold:
+                out[b, u] += np.float32(1.0)
+    return out
 
 
 def select_keep_reference(

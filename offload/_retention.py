@@ -17,8 +17,8 @@ from offload._checks import check_choice, check_float, check_int, is_int
 
 __all__ = ["POLICY_KINDS", "RetentionPolicy", "budget_units"]
 
-POLICY_KINDS = ("recency", "streaming", "h2o", "snapkv", "tova")
-_SCORED_KINDS = ("h2o", "snapkv", "tova")
+POLICY_KINDS = ("recency", "streaming", "h2o", "snapkv", "tova", "scissorhands")
+_SCORED_KINDS = ("h2o", "snapkv", "tova", "scissorhands")
 # Fractions are turned into num / den with den <= _MAX_DENOMINATOR, so the budget of n live
 # units is the exact integer ceil(num * n / den), identical in jnp (int32) and numpy.
 _MAX_DENOMINATOR = 1000
@@ -29,7 +29,8 @@ class RetentionPolicy:
     """Static configuration of a retention policy (hashable: a ``jit`` static argument).
 
     Attributes:
-      kind: one of ``"recency"``, ``"streaming"``, ``"h2o"``, ``"snapkv"``, ``"tova"``.
+      kind: one of ``"recency"``, ``"streaming"``, ``"h2o"``, ``"snapkv"``, ``"tova"``,
+        ``"scissorhands"``.
       budget: units kept per (unpinned) sequence: an ``int >= 0`` is a count, a ``float`` in
         ``(0, 1]`` a fraction of the sequence's live units, rounded up (``ceil``) after being
         made a fraction with denominator ``<= 1000``. Capped by the live units.
@@ -45,6 +46,10 @@ class RetentionPolicy:
         ranking (SnapKV's clustering); 1 = none. Only for the scored kinds.
       pool: ``"max"`` or ``"avg"`` (zero-padded, divided by ``pool_size``).
       head_reduce: ``"sum"`` or ``"max"`` over the query heads of the mass.
+      history: Scissorhands' history window ``w``, an int ``>= 1``: the importance counts decay
+        by ``1 - 1 / history`` at every update (an exponential window of about ``history``
+        observations; ``1`` = only the last observation counts). None (default) = no decay,
+        plain counts over every observation. Only for ``kind="scissorhands"``.
 
     Raises:
       ValueError: on any invalid field (named in the message).
@@ -63,6 +68,7 @@ class RetentionPolicy:
     pool_size: int | np.integer = 1
     pool: str = "max"
     head_reduce: str = "sum"
+    history: int | np.integer | None = None
 
     def __post_init__(self):
         p = "RetentionPolicy"
@@ -110,6 +116,14 @@ class RetentionPolicy:
             )
         check_choice(p, "pool", self.pool, ("max", "avg"))
         check_choice(p, "head_reduce", self.head_reduce, ("sum", "max"))
+        history = None
+        if self.history is not None:
+            if self.kind != "scissorhands":
+                raise ValueError(
+                    f"{p}: history: expected None for kind={self.kind!r} (a history window "
+                    f"needs kind='scissorhands'), got {self.history!r}"
+                )
+            history = check_int(p, "history", self.history, low=1)
         # Normalised to Python scalars: equal policies hash equal whatever types came in.
         for name, value in (
             ("budget", budget),
@@ -117,13 +131,21 @@ class RetentionPolicy:
             ("sink", sink),
             ("recent", recent),
             ("pool_size", pool_size),
+            ("history", history),
         ):
             object.__setattr__(self, name, value)
 
     @property
     def uses_scores(self) -> bool:
-        """Whether :func:`update_policy_state` changes the state (H2O, SnapKV, TOVA)."""
+        """Whether :func:`update_policy_state` changes the state (H2O, SnapKV, TOVA,
+        Scissorhands)."""
         return self.kind in _SCORED_KINDS
+
+    @property
+    def decay(self) -> float:
+        """The factor the Scissorhands counts are multiplied by before each update: ``1 - 1 /
+        history``, or ``1.0`` without a history window (and for every other kind)."""
+        return 1.0 if self.history is None else 1.0 - 1.0 / self.history
 
     @property
     def budget_fraction(self) -> tuple[int, int] | None:

@@ -48,8 +48,15 @@ def _data(seed=0):
     return q, k, pages, table, lengths
 
 
-def test_policy_functions_under_jit():
-    policy = RetentionPolicy("h2o", 0.5, page_size=C, sink=1, recent=1)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        RetentionPolicy("h2o", 0.5, page_size=C, sink=1, recent=1),
+        RetentionPolicy("scissorhands", 0.5, page_size=C, sink=1, recent=1, history=4),
+    ],
+    ids=lambda p: p.kind,
+)
+def test_policy_functions_under_jit(policy):
     state = _both(functools.partial(init_policy_state, B, M, policy=policy))
     mass = jnp.asarray(np.random.default_rng(1).random((B, N, M)), jnp.float32)
     state = _both(functools.partial(update_policy_state, policy=policy), state, mass)

@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload import (
+    POLICY_KINDS,
+    PolicyState,
     RetentionPolicy,
     budget_units,
     init_policy_state,
@@ -35,8 +37,6 @@ def _assert_selection_equal(sel, ref):
 
 
 def _state(scores):
-    from offload import PolicyState
-
     return PolicyState(scores=jnp.asarray(scores, jnp.float32))
 
 
@@ -108,6 +108,129 @@ def test_snapkv_pooling_keeps_neighbourhoods():
     assert _kept(select_keep(state, jnp.array([6]), policy=per_head)) == [1, 2]
 
 
+def _persistence_masses():
+    """Token 1 is heavy once, then barely attended; token 2 is moderately attended (above the
+    mean) at every step; token 0 is a sink; 12 tokens, one head."""
+    first = np.full((1, 1, 12), 0.005, np.float32)
+    first[0, 0, 1] = 0.85  # once-heavy
+    first[0, 0, 2] = 0.1  # persistent, above the mean 1/12
+    later = np.full((1, 1, 12), 0.295 / 9, np.float32)
+    later[0, 0, 0] = 0.6  # the sink
+    later[0, 0, 1] = 0.005  # no longer attended
+    later[0, 0, 2] = 0.1  # still above the mean
+    return [first, later, later, later]
+
+
+def test_scissorhands_keeps_persistent_token_where_h2o_keeps_once_heavy():
+    masses = _persistence_masses()
+    lengths = jnp.array([12])
+    kept = {}
+    for kind in ("h2o", "scissorhands"):
+        pol = RetentionPolicy(kind, 3, granularity="token", sink=1, recent=1)
+        state = init_policy_state(1, 12, policy=pol)
+        for m in masses:
+            state = update_policy_state(state, jnp.asarray(m), policy=pol)
+        kept[kind] = _kept(select_keep(state, lengths, policy=pol))
+        if kind == "scissorhands":
+            # Counts of important observations: token 1 once, token 2 every step, the sink
+            # in the three later steps; the rest never reach the mean.
+            expected = np.zeros(12, np.float32)
+            expected[[0, 1, 2]] = [3.0, 1.0, 4.0]
+            np.testing.assert_array_equal(np.asarray(state.scores[0]), expected)
+    # H2O's accumulated mass: token 1 has 0.865 > token 2's 0.4, so it keeps the stale token.
+    assert kept["h2o"] == [0, 1, 11]
+    # Scissorhands: token 2 (important 4 times) beats token 1 (once): persistence wins.
+    assert kept["scissorhands"] == [0, 2, 11]
+
+
+def test_scissorhands_history_decays_counts_exactly():
+    pol = RetentionPolicy("scissorhands", 1, granularity="token", history=2)
+    assert pol.decay == 0.5
+    a = np.array([[[1.0, 0.1, 0.1]]], np.float32)  # token 0 important
+    b = np.array([[[0.1, 0.1, 1.0]]], np.float32)  # token 2 important
+    state = init_policy_state(1, 3, policy=pol)
+    for m in (a, a, a, b, b):
+        state = update_policy_state(state, jnp.asarray(m), policy=pol)
+    # token 0: (1 + 0.5 + 0.25) * 0.25 = 0.4375; token 2: 1 + 0.5 = 1.5.
+    np.testing.assert_array_equal(np.asarray(state.scores[0]), [0.4375, 0.0, 1.5])
+    assert _kept(select_keep(state, jnp.array([3]), policy=pol)) == [2]
+    # Without a history window the counts never decay: token 0's 3 beats token 2's 2.
+    plain = RetentionPolicy("scissorhands", 1, granularity="token")
+    state = init_policy_state(1, 3, policy=plain)
+    for m in (a, a, a, b, b):
+        state = update_policy_state(state, jnp.asarray(m), policy=plain)
+    np.testing.assert_array_equal(np.asarray(state.scores[0]), [3.0, 0.0, 2.0])
+    assert _kept(select_keep(state, jnp.array([3]), policy=plain)) == [0]
+    # history=1: only the last observation counts.
+    last = RetentionPolicy("scissorhands", 1, granularity="token", history=1)
+    state = init_policy_state(1, 3, policy=last)
+    for m in (a, a, b):
+        state = update_policy_state(state, jnp.asarray(m), policy=last)
+    np.testing.assert_array_equal(np.asarray(state.scores[0]), [0.0, 0.0, 1.0])
+
+
+def test_scissorhands_masked_units_empty_rows_ties_and_nan():
+    pol = RetentionPolicy("scissorhands", 2, granularity="token")
+    mass = np.zeros((5, 2, 5), np.float32)
+    mass[0, 0, :3] = [0.2, 0.5, 0.3]  # units 3, 4 masked (mass 0): not in the mean
+    mass[1] = 0.0  # no unit takes part: nothing important, no NaN
+    mass[2, :, :3] = 0.1  # equal masses: all three important (the mean is capped at the max)
+    mass[3, 0, :3] = [0.2, 0.3, 0.4]
+    mass[3, 1, 1] = np.nan  # a NaN in a unit taking part (head 0 > 0): the row counts nothing
+    mass[4, 0, :3] = [0.2, np.nan, 0.4]  # NaN is not > 0: unit 1 takes no part (mean 0.3)
+    state = update_policy_state(init_policy_state(5, 5, policy=pol), jnp.asarray(mass), policy=pol)
+    expected = [[0, 1, 0, 0, 0], [0] * 5, [1, 1, 1, 0, 0], [0] * 5, [0, 0, 1, 0, 0]]
+    np.testing.assert_array_equal(np.asarray(state.scores), expected)
+    ref = update_policy_state_reference(np.zeros((5, 5)), mass, policy=pol)
+    np.testing.assert_array_equal(ref, expected)
+    # Row 0: the mean is over the 3 units taking part (1/3), so only unit 1 is important; had
+    # the masked units been counted (mean 1/5), units 0 and 2 would have been important too.
+
+
+def test_scissorhands_random_steps_match_reference():
+    """Several steps of unquantised mass with masked units (mass 0 past each length), garbage
+    scores in the non-live units, pinned rows, both granularities and modes, sinks/recent."""
+    rng = np.random.default_rng(7)
+    B, N, U = 5, 3, 10
+    for index, policy in enumerate(
+        [
+            RetentionPolicy("scissorhands", 0.4, granularity="token", sink=1, recent=2),
+            RetentionPolicy("scissorhands", 3, page_size=3, sink=2, recent=1, history=4),
+            RetentionPolicy(
+                "scissorhands", 4, granularity="token", history=2, pool_size=3, pool="avg"
+            ),
+            RetentionPolicy("scissorhands", 0.3, page_size=2, head_reduce="max", history=7),
+        ]
+    ):
+        C = policy.page_size or 1
+        lengths = np.array([0, 1, 3 * C + 1, 7 * C, U * C], np.int32)
+        n_units = -(-lengths // C)
+        table = None
+        if policy.granularity == "page":
+            table = rng.permutation(np.arange(1, B * U + 1)).reshape(B, U).astype(np.int32)
+            table[4, [2, 5]] = 0  # holes
+            table = jnp.asarray(table)
+        pinned = jnp.array([False, True, False, False, index % 2 == 0])
+        state = init_policy_state(B, U, policy=policy)
+        # Garbage (finite) scores in the non-live units: they must not matter.
+        garbage = np.where(np.arange(U)[None] >= n_units[:, None], 1e6, 0.0)
+        state = PolicyState(scores=state.scores + jnp.asarray(garbage, jnp.float32))
+        ref_scores = np.asarray(state.scores)
+        for step in range(5):
+            mass = rng.random((B, N, U)).astype(np.float32) ** 3
+            mass *= (np.arange(U)[None] < n_units[:, None])[:, None, :]
+            if step == 2:
+                mass[3] = 0.0  # a step in which row 3 sees nothing
+            state = update_jit(state, jnp.asarray(mass), policy=policy)
+            ref_scores = update_policy_state_reference(ref_scores, mass, policy=policy)
+            assert_close(state.scores, ref_scores, dtype=jnp.float32, what=f"scores {step}")
+            for mode in ("demote", "drop"):
+                args = dict(policy=policy, page_table=table, pinned=pinned, mode=mode)
+                sel = select_jit(state, jnp.asarray(lengths), **args)
+                _assert_selection_equal(sel, select_keep_reference(ref_scores, lengths, **args))
+        assert np.all(np.isfinite(np.asarray(state.scores)))
+
+
 def test_null_pages_and_pinned():
     pol = RetentionPolicy("recency", 2, page_size=2)
     table = jnp.array([[5, 3, 0, 9, 0], [1, 2, 3, 4, 6]], jnp.int32)
@@ -148,6 +271,8 @@ POLICIES = [
     RetentionPolicy("snapkv", 4, granularity="token", recent=2, pool_size=3, pool="avg"),
     RetentionPolicy("snapkv", 0.25, page_size=2, pool_size=5, head_reduce="max"),
     RetentionPolicy("tova", 3, granularity="token"),
+    RetentionPolicy("scissorhands", 4, granularity="token", sink=1, recent=2),
+    RetentionPolicy("scissorhands", 0.5, page_size=2, recent=1, history=3, pool_size=3),
 ]
 
 
@@ -185,17 +310,30 @@ def test_random_matches_reference(index, jit):
     _assert_selection_equal(eager, _sel_np(sel))
 
 
-def test_vmap_over_layers_matches_per_layer():
-    pol = RetentionPolicy("h2o", 3, granularity="token", sink=1, recent=1)
+@pytest.mark.parametrize(
+    "pol",
+    [
+        RetentionPolicy("h2o", 3, granularity="token", sink=1, recent=1),
+        RetentionPolicy("scissorhands", 3, granularity="token", sink=1, recent=1, history=2),
+    ],
+    ids=lambda p: p.kind,
+)
+def test_vmap_over_layers_matches_per_layer(pol):
     rng = np.random.default_rng(1)
-    L, B, N, U = 3, 2, 2, 8
-    mass = jnp.asarray(rng.random((L, B, N, U)), jnp.float32)
+    L, B, N, U, steps = 3, 2, 2, 8, 3
+    mass = jnp.asarray(rng.random((steps, L, B, N, U)), jnp.float32)
     lengths = jnp.array([8, 5])
+    update = jax.jit(jax.vmap(functools.partial(update_policy_state, policy=pol)))
+    select = jax.jit(jax.vmap(lambda s: select_keep(s, lengths, policy=pol)))
     states = jax.vmap(lambda _: init_policy_state(B, U, policy=pol))(jnp.arange(L))
-    states = jax.vmap(functools.partial(update_policy_state, policy=pol))(states, mass)
-    sels = jax.vmap(lambda s: select_keep(s, lengths, policy=pol))(states)
+    for t in range(steps):
+        states = update(states, mass[t])
+    sels = select(states)
     for layer in range(L):
-        one = update_policy_state(init_policy_state(B, U, policy=pol), mass[layer], policy=pol)
+        one = init_policy_state(B, U, policy=pol)
+        for t in range(steps):
+            one = update_policy_state(one, mass[t, layer], policy=pol)
+        np.testing.assert_allclose(np.asarray(states.scores[layer]), np.asarray(one.scores))
         ref = select_keep_reference(one.scores, lengths, policy=pol)
         _assert_selection_equal(jax.tree.map(lambda x, i=layer: x[i], sels), ref)
 
@@ -207,14 +345,14 @@ B_H, U_H = 3, 8
 
 @st.composite
 def _cases(draw):
-    kind = draw(st.sampled_from(["recency", "streaming", "h2o", "snapkv", "tova"]))
+    kind = draw(st.sampled_from(POLICY_KINDS))
     granularity = draw(st.sampled_from(["page", "token"]))
     if draw(st.booleans()):
         budget = draw(st.integers(0, U_H + 2))
     else:
         budget = draw(st.sampled_from([0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0]))
     sink = draw(st.integers(0, 3)) if kind != "recency" else 0
-    recent = draw(st.integers(0, 3)) if kind in ("h2o", "snapkv", "tova") else 0
+    recent = draw(st.integers(0, 3)) if kind not in ("recency", "streaming") else 0
     page_size = draw(st.integers(1, 3)) if granularity == "page" else None
     policy = RetentionPolicy(
         kind, budget, granularity=granularity, page_size=page_size, sink=sink, recent=recent
@@ -307,6 +445,26 @@ def test_selection_invariants(case):
         (dict(kind="streaming", budget=1, page_size=1, pool_size=3), "pool_size: expected 1 for"),
         (dict(kind="snapkv", budget=1, page_size=1, pool="min"), "pool: expected one of"),
         (dict(kind="tova", budget=1, page_size=1, head_reduce="mean"), "head_reduce: expected one"),
+        (
+            dict(kind="scissorhands", budget=1, page_size=1, history=0),
+            "history: expected an int >= 1, got 0",
+        ),
+        (
+            dict(kind="scissorhands", budget=1, page_size=1, history=2.0),
+            "history: expected an int >= 1, got float",
+        ),
+        (
+            dict(kind="scissorhands", budget=1, page_size=1, history=True),
+            "history: expected an int >= 1, got bool",
+        ),
+        (
+            dict(kind="h2o", budget=1, page_size=1, history=4),
+            "history: expected None for kind='h2o'",
+        ),
+        (
+            dict(kind="recency", budget=1, page_size=1, history=1),
+            "history: expected None for kind='recency'",
+        ),
     ],
 )
 @pytest.mark.no_typecheck
@@ -326,6 +484,11 @@ def test_policy_accepts_numpy_scalars_and_normalises():
     state = init_policy_state(np.int64(2), np.int32(4), policy=pol)
     assert state.scores.shape == (2, 4)
     assert budget_units(pol, np.int64(7)) == 4
+    sc = RetentionPolicy("scissorhands", 2, granularity="token", history=np.int64(8))
+    assert type(sc.history) is int and sc.history == 8 and sc.decay == 1.0 - 1.0 / 8
+    assert hash(sc) == hash(RetentionPolicy("scissorhands", 2, granularity="token", history=8))
+    assert RetentionPolicy("scissorhands", 2, granularity="token").decay == 1.0
+    assert sc.uses_scores
 
 
 @pytest.mark.no_typecheck
