@@ -174,7 +174,7 @@ class Transformer(nnx.Module):
         return self.embed.attend(self.final_norm(x))  # tied output layer
 
     def embed_inputs(self, tokens, prev_tokens):
-        return self.embed(tokens) + self.prev_embed(prev_tokens)
+        return _lookup(self.embed, tokens) + _lookup(self.prev_embed, prev_tokens)
 
     def __call__(self, tokens, positions, attend: AttendFn, prev_tokens=None):
         if prev_tokens is None:
@@ -183,6 +183,17 @@ class Transformer(nnx.Module):
         for block in self.blocks:
             x = block(x, positions, attend)
         return self.logits(x)
+
+
+def _lookup(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
+    """``embed(ids)``, also for ids sharded over a mesh of ``Explicit`` axes (where the gather
+    needs its output sharding spelled out: the ids' sharding, features replicated)."""
+    sharding = jax.typeof(ids).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+        return embed(ids)
+    table = embed.embedding[...]
+    return table.at[ids].get(out_sharding=jax.P(*sharding.spec, None))
 
 
 def previous_tokens(tokens: jax.Array) -> jax.Array:

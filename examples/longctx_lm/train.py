@@ -239,8 +239,14 @@ def evaluate(model, task: str, context: int, samples: int, seed: int, attend, ba
 
 
 def train(model_cfg: ModelConfig, cfg: TrainConfig, *, out: str | None, eval_every: int = 200,
-          eval_samples: int = 64, resume: bool = True, log=print):  # fmt: skip
-    """Trains on one device with blockwise attention; returns the model and its history.
+          eval_samples: int = 64, resume: bool = True, log=print, mesh=None,
+          block_sizes: ringattn.BlockSizes | None = None):  # fmt: skip
+    """Trains with blockwise attention on one device, or ring attention over ``mesh``.
+
+    With ``mesh`` (axes ``("data", "seq")``, of either axis type) every step runs
+    :func:`attention.sharded` (ring, zigzag layout): the batch is permuted into the layout
+    once per step and split over both axes; the periodic evaluation runs on one device with
+    blockwise attention (the same math). Returns the model and its history.
 
     Every ``eval_every`` steps (and at the end) both tasks are evaluated at the current
     context and, with ``out``, a checkpoint is written. With ``resume`` and a checkpoint of the
@@ -260,8 +266,25 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, *, out: str | None, eval_eve
         log(f"resuming at step {int(state['step'])}")
     params, opt_state, done = state["params"], state["opt_state"], int(state["step"])
     log(f"parameters: {sum(x.size for x in jax.tree.leaves(params)):,}")
-    attend = attention.blockwise()
-    step_fn = make_train_step(attend, make_optimizer(cfg))
+    attend = attention.blockwise(block_sizes)
+    step_attend, to_step = attend, lambda ex: ex
+    if mesh is not None:
+        if tuple(mesh.axis_names) != ("data", "seq"):
+            raise ValueError(f"train: mesh: expected axes ('data', 'seq'), got {mesh.axis_names}")
+        if cfg.batch_size % mesh.shape["data"]:
+            raise ValueError(
+                f"train: mesh: batch_size {cfg.batch_size} is not divisible by the data axis "
+                f"({mesh.shape['data']})"
+            )
+        step_attend = attention.sharded(mesh, block_sizes=block_sizes)
+        shards = mesh.shape["seq"]
+        spec = jax.sharding.NamedSharding(mesh, jax.P("data", "seq"))
+
+        def to_step(ex):
+            ex = to_layout_example(ex, layout="zigzag", num_shards=shards)
+            return Example(*(jax.device_put(x, spec) for x in ex))
+
+    step_fn = make_train_step(step_attend, make_optimizer(cfg))
     t0, step, first = time.time(), 0, 0
     for steps, context in cfg.stages:
         first, step = step, step + steps
@@ -272,7 +295,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, *, out: str | None, eval_eve
             batch = mixed_batch(cfg.tasks, context, cfg.batch_size, np.random.default_rng([cfg.seed, i]))  # fmt: skip
             t = time.time()
             params, opt_state, loss, acc, _ = step_fn(
-                graphdef, params, rest, opt_state, model_inputs(batch)
+                graphdef, params, rest, opt_state, to_step(model_inputs(batch))
             )
             loss = float(loss)
             tok_s = cfg.batch_size * context / (time.time() - t)
@@ -305,7 +328,18 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-samples", type=int, default=32)
     p.add_argument("--no-resume", action="store_true", help="start afresh even if --out has one")
+    p.add_argument(
+        "--mesh", default=None, metavar="DxS",
+        help="ring attention over a (data, seq) mesh of D x S devices, e.g. 2x4 (on CPU, D*S "
+        "devices are emulated)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    mesh = None
+    if args.mesh:
+        d, s = (int(x) for x in args.mesh.lower().split("x"))
+        if jax.config.jax_platforms in (None, "", "cpu"):
+            jax.config.update("jax_num_cpu_devices", d * s)  # before any JAX array
+        mesh = jax.make_mesh((d, s), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     stages = TrainConfig().stages
     if args.stages:
         stages = tuple(tuple(int(x) for x in s.split(":")) for s in args.stages.split(","))
@@ -316,7 +350,7 @@ def main(argv=None):
     )  # fmt: skip
     train(
         model_cfg, cfg, out=args.out, eval_every=args.eval_every,
-        eval_samples=args.eval_samples, resume=not args.no_resume,
+        eval_samples=args.eval_samples, resume=not args.no_resume, mesh=mesh,
     )  # fmt: skip
 
 

@@ -98,6 +98,24 @@ def test_ring_training_step_equals_the_dense_single_device_step(axis_type):
         assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_a_short_ring_run_matches_the_one_device_run(axis_type):
+    """Three optimizer steps with ring attention over ("data", "seq") = (2, 4) land on the
+    parameters of the same three steps on one device."""
+    cfg = train.TrainConfig(stages=((3, 96),), batch_size=4, warmup_steps=1, peak_lr=1e-2)
+    quiet = dict(out=None, eval_every=100, eval_samples=2, log=lambda *_: None, block_sizes=ringattn_blocks())  # fmt: skip
+    one, _ = train.train(TINY, cfg, **quiet)
+    mesh = make_test_mesh((2, 4), ("data", "seq"), axis_type=axis_type)
+    with jax.set_mesh(mesh):
+        ring, history = train.train(TINY, cfg, mesh=mesh, **quiet)
+    assert [row["step"] for row in history] == [3]
+    for x, y in zip(jax.tree.leaves(nnx.state(one)), jax.tree.leaves(nnx.state(ring)), strict=True):  # fmt: skip
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=2e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="data axis"):
+        bad = dataclasses.replace(cfg, batch_size=3)
+        train.train(TINY, bad, mesh=mesh, **quiet)
+
+
 @pytest.mark.slow
 def test_a_short_run_evaluates_and_its_checkpoint_round_trips(tmp_path):
     cfg = train.TrainConfig(stages=((4, 80),), batch_size=4, warmup_steps=2, peak_lr=1e-2)
