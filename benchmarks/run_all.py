@@ -23,6 +23,8 @@ SCRIPTS = (
     "bench_policies",
     "bench_offload",
     "bench_ring",
+    "bench_train",
+    "bench_decode",
 )
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
