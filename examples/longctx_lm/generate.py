@@ -14,8 +14,24 @@ The path a request takes:
    attends with ``paged.paged_attention``. No host round trip per token: the allocator
    reserves pages before the loop and ``settle``s after it.
 
+Optionally (``retention=Retention(...)``), between 2 and 3 a retention rule chooses which
+prompt pages stay on the device: an ``offload.RetentionPolicy`` (recency, StreamingLLM, H2O,
+SnapKV, TOVA, Scissorhands) fed from the prefill's attention (the last ``window`` prompt
+queries are prefilled one query per sequence, so each one's page mass is observed), or any
+function of a :class:`PromptView`. The other pages are dropped (the decode never reads them)
+or demoted: copied to pinned host memory with an ``offload.OffloadManager``, fetched back
+into a compact cold pool and read there by ``offload.mixed_residency_attention`` (exact).
+
 :class:`Server` keeps one allocator and one pool for many calls, so later requests hit the
 prefix cache of earlier ones.
+
+Example (the committed checkpoint, a 20% device budget chosen by SnapKV, the rest demoted)::
+
+    model, _ = train.load_checkpoint("examples/longctx_lm/checkpoint")
+    server = Server(model, num_pages=256, max_len=1100, batch=2)
+    policy = offload.RetentionPolicy("snapkv", 0.2, page_size=16, recent=1)
+    out = server.generate(prompts, 8, retention=Retention(policy, mode="demote"))
+    server.last_info  # prompt pages, pages kept on device, bytes moved
 """
 
 import dataclasses

@@ -226,7 +226,7 @@ def _masked_dense(dropped_positions, decode_from):
     return attend
 
 
-@pytest.mark.parametrize("kind", ["recency", "streaming", "h2o", "snapkv", "tova"])
+@pytest.mark.parametrize("kind", ["recency", "streaming", "h2o", "snapkv", "tova", "scissorhands"])
 def test_generation_with_dropped_pages_equals_dense_with_those_keys_masked(kind):
     """Drop mode: the decode reads exactly the kept pages (oracle: dense recompute whose decode
     queries cannot see the dropped positions), and the policy's budget is what is kept."""
@@ -235,7 +235,7 @@ def test_generation_with_dropped_pages_equals_dense_with_those_keys_masked(kind)
     generate, model, server, prompts = _retention_setup()
     policy = offload.RetentionPolicy(
         kind, 0.4, page_size=4, **({} if kind == "recency" else {"sink": 1}),
-        **({"recent": 1} if kind in ("h2o", "snapkv", "tova") else {}),
+        **({"recent": 1} if kind in ("h2o", "snapkv", "tova", "scissorhands") else {}),
     )  # fmt: skip
     seen = {}
 
