@@ -117,9 +117,7 @@ def plot(path, results, budgets, depths):
     ax.set_title("drop: accuracy vs budget")
     ax.legend(fontsize=7)
     for ax, kind in zip(axes[1:], kinds, strict=True):
-        grid = np.array(
-            [[100 * results[kind, b, d, "drop"][0] for b in budgets] for d in depths]
-        )
+        grid = np.array([[100 * results[kind, b, d, "drop"][0] for b in budgets] for d in depths])
         ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto", origin="lower")
         for i in range(len(depths)):
             for j in range(len(budgets)):
@@ -134,6 +132,19 @@ def plot(path, results, budgets, depths):
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def policy_table(results, budgets, depths, mode, cell):
+    """Markdown rows: one per policy kind, one column per budget, ``cell(acc, mass, bytes)`` of
+    the means over depths."""
+    rows = [
+        "| rule | " + " | ".join(f"{100 * b:g}%" for b in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
+    for kind in KINDS:
+        means = [np.mean([results[kind, b, d, mode] for d in depths], axis=0) for b in budgets]
+        rows.append(f"| {kind} | " + " | ".join(cell(*m) for m in means) + " |")
+    return rows
 
 
 def main(argv=None):
@@ -179,16 +190,14 @@ def main(argv=None):
         "",
         "### Drop: accuracy % (mass kept %), mean over depths",
         "",
-        "| rule | " + " | ".join(f"{100 * b:g}%" for b in budgets) + " |",
-        "|---|" + "---|" * len(budgets),
+        *policy_table(
+            results,
+            budgets,
+            depths,
+            "drop",
+            lambda acc, mass, moved: f"{100 * acc:.0f} ({100 * mass:.0f})",
+        ),
     ]
-    for kind in KINDS:
-        cells = []
-        for b in budgets:
-            acc = np.mean([results[kind, b, d, "drop"][0] for d in depths])
-            mass = np.mean([results[kind, b, d, "drop"][1] for d in depths])
-            cells.append(f"{100 * acc:.0f} ({100 * mass:.0f})")
-        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     lines += ["", "### Drop: accuracy % by needle depth (rows) and budget (columns)", ""]
     for kind in KINDS:
         lines += [
@@ -204,16 +213,14 @@ def main(argv=None):
     lines += [
         "### Demote and fetch back: accuracy % (KiB moved per sample, to host and back)",
         "",
-        "| rule | " + " | ".join(f"{100 * b:g}%" for b in budgets) + " |",
-        "|---|" + "---|" * len(budgets),
+        *policy_table(
+            results,
+            budgets,
+            depths,
+            "demote",
+            lambda acc, mass, moved: f"{100 * acc:.0f} ({moved / 1024:.0f})",
+        ),
     ]
-    for kind in KINDS:
-        cells = []
-        for b in budgets:
-            acc = np.mean([results[kind, b, d, "demote"][0] for d in depths])
-            kib = np.mean([results[kind, b, d, "demote"][2] for d in depths]) / 1024
-            cells.append(f"{100 * acc:.0f} ({kib:.0f})")
-        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     png = run.out.with_suffix(".png")
     plot(png, results, budgets, depths)
     lines += ["", f"![accuracy vs budget]({png.name})", "", f"Total time: {elapsed:.0f} s."]

@@ -339,7 +339,9 @@ def main(argv=None):
         d, s = (int(x) for x in args.mesh.lower().split("x"))
         if jax.config.jax_platforms in (None, "", "cpu"):
             jax.config.update("jax_num_cpu_devices", d * s)  # before any JAX array
-        mesh = jax.make_mesh((d, s), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+        mesh = jax.make_mesh(
+            (d, s), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+        )
     stages = TrainConfig().stages
     if args.stages:
         stages = tuple(tuple(int(x) for x in s.split(":")) for s in args.stages.split(","))

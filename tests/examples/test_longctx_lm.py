@@ -309,4 +309,6 @@ def test_retention_rejects_bad_options():
         generate.policy_select(offload.RetentionPolicy("h2o", 4, granularity="token"))
     _, _, server, prompts = _retention_setup()
     with pytest.raises(ValueError, match="keep"):
-        server.generate(prompts, 2, retention=generate.Retention(lambda view: np.ones((1, 2), bool)))
+        server.generate(
+            prompts, 2, retention=generate.Retention(lambda view: np.ones((1, 2), bool))
+        )
