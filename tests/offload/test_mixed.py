@@ -89,7 +89,10 @@ def test_every_page_fetched_equals_full_attention(separate_pool, jit):
         demoted = np.asarray(sel.demote)
         ids = np.asarray(table)[demoted]
         cold_k = jnp.zeros((k_pages.shape[0], ids.size + 1, *k_pages.shape[2:]), k_pages.dtype)
-        cold_k, cold_v = cold_k.at[:, 1:].set(k_pages[:, ids]), cold_k.at[:, 1:].set(v_pages[:, ids])
+        cold_k, cold_v = (
+            cold_k.at[:, 1:].set(k_pages[:, ids]),
+            cold_k.at[:, 1:].set(v_pages[:, ids]),
+        )
         compact = np.zeros(table.shape, np.int32)
         compact[demoted] = np.arange(1, ids.size + 1)
         cold_table = jnp.asarray(compact)
