@@ -13,9 +13,10 @@ Per cell we report exact-match accuracy (all 8 digits) over ``--samples`` fresh 
 the attention mass kept: the fraction of the observation window's attention (the last ``W``
 prompt queries, every head and layer) on the kept pages. The rules are the six
 ``offload.RetentionPolicy`` kinds (1 sink page for streaming/H2O/Scissorhands, a recent window
-of one page for the scored kinds, SnapKV pooled over 3 pages and ranked by the max over heads)
-and ``full`` (every page). Any function ``PromptView -> keep [B, M]`` plugs in the same way
-(:func:`evaluate_rule`): another policy, an oracle, or a KV format's own selection.
+of one page for the scored kinds, SnapKV pooled over 3 pages and ranked by the max over heads),
+``knorm``, a rule that reads the keys alone (:func:`knorm_select`), and, at 100%, every page.
+Any function ``PromptView -> keep [B, M]`` plugs in the same way (:func:`evaluate_rule`):
+another policy, an oracle, or a KV format's own selection.
 
 Run from the repository root: ``python -m benchmarks.bench_quality [--quick] [--samples N]``
 (about 15 minutes on 2 CPU cores at 1,024 tokens; ``--quick``: 4 samples, 2 depths, 2
@@ -31,7 +32,8 @@ from benchmarks import _common
 
 BUDGETS = (0.05, 0.10, 0.20, 0.50, 1.0)
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-KINDS = ("recency", "streaming", "h2o", "snapkv", "tova", "scissorhands")
+POLICIES = ("recency", "streaming", "h2o", "snapkv", "tova", "scissorhands")
+KINDS = (*POLICIES, "knorm")
 WINDOW = 16
 PAGE = 16
 
@@ -48,6 +50,36 @@ def make_policy(kind: str, budget: float):
         "scissorhands": {"sink": 1, "recent": 1},
     }[kind]
     return offload.RetentionPolicy(kind, budget, page_size=PAGE, **extra)
+
+
+def knorm_select(budget: float):
+    """A rule that looks at the keys alone (``(k, v) -> kept``, after kvpress' KnormPress):
+    keep the pages whose keys have the smallest mean L2 norm (low-norm keys draw attention),
+    plus 1 sink and 1 recent page, through ``offload.select_keep`` with those scores."""
+    import jax.numpy as jnp
+
+    import offload
+
+    policy = offload.RetentionPolicy("h2o", budget, page_size=PAGE, sink=1, recent=1)
+
+    def select(view):
+        k = view.k_pages[:, :, view.page_table]  # [L, K, B, M, C, H]
+        norms = jnp.linalg.norm(k, axis=-1).mean(axis=(0, 1, 4))  # [B, M]
+        state = offload.PolicyState(-norms)
+        return offload.select_keep(
+            state, view.lengths, policy=policy, page_table=view.page_table
+        ).keep
+
+    return select
+
+
+def make_rule(kind: str, budget: float):
+    """The ``PromptView -> keep`` function of a rule name."""
+    from examples.longctx_lm import generate
+
+    if kind == "knorm":
+        return knorm_select(budget)
+    return generate.policy_select(make_policy(kind, budget))
 
 
 def passkey_prompts(length: int, depth: float, samples: int, seed: int):
@@ -154,7 +186,7 @@ def main(argv=None):
     parser.add_argument("--checkpoint", default="examples/longctx_lm/checkpoint")
     args = parser.parse_args(argv)
     run = _common.start_run("bench_quality", args, cpu_devices=1, argv=argv)
-    from examples.longctx_lm import generate, train
+    from examples.longctx_lm import train
 
     budgets = (0.1, 1.0) if args.quick else BUDGETS
     depths = (0.0, 0.5) if args.quick else DEPTHS
@@ -167,7 +199,7 @@ def main(argv=None):
         prompts, answers = passkey_prompts(args.length, depth, samples, seed=2024 + d_i)
         for kind in KINDS:
             for budget in budgets:
-                select = generate.policy_select(make_policy(kind, budget))
+                select = make_rule(kind, budget)
                 for mode in ("drop", "demote"):
                     if budget == 1.0 and mode == "demote":
                         results[kind, budget, depth, mode] = results[kind, budget, depth, "drop"]
