@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.sharding import AxisType
 
 import paged
 from paged import (
@@ -231,6 +232,24 @@ def test_cache_writes_quantize_and_gather_decodes(kind):
     assert_close(res.out, ref.out, dtype=jnp.float32, what=f"{kind} cache call site")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_writes_vmap_over_a_stack_of_quantized_caches(kind):
+    fmt = KVFormat(kind)
+    rng = np.random.default_rng(2)
+    cache = init_paged_cache(1, 1, 5, 2, 4, batch=1, max_pages_per_seq=2, kv_format=fmt)
+    cache = with_page_table(cache, jnp.array([[3, 1]]))
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x, x]), cache)  # 3 independent caches
+    k = jnp.asarray(rng.standard_normal((3, 1, 3, 1, 4)), jnp.float32)  # [V, B, T, K, H]
+    out = jax.jit(jax.vmap(write_layer, in_axes=(0, None, 0, 0, None)))(stacked, 0, k, k, 0)
+    assert isinstance(out.k_pages, QuantizedPages) and out.k_pages.data.shape[0] == 3
+    for i in range(3):
+        one = write_layer(cache, 0, k[i], k[i], 0)
+        np.testing.assert_array_equal(
+            np.asarray(out.k_pages.data[i], np.float32), np.asarray(one.k_pages.data, np.float32)
+        )
+        np.testing.assert_array_equal(out.k_pages.scale[i], one.k_pages.scale)
+
+
 def test_float_cache_is_unchanged_by_default():
     a = init_paged_cache(1, 2, 4, 2, 8, batch=1, max_pages_per_seq=2)
     b = init_paged_cache(1, 2, 4, 2, 8, batch=1, max_pages_per_seq=2, kv_format=None)
@@ -328,14 +347,16 @@ def test_ragged_attention_over_quantized_pages(kind):
     assert_close(direct.out, ref.out, dtype=jnp.float32, what="ragged oracle on quantized")
 
 
-@pytest.mark.parametrize("kind, D", [("int8", 2), ("fp8", 4)])
-def test_sharded_attention_over_quantized_pages(kind, D):
+@pytest.mark.parametrize(
+    "kind, D, axis_type", [("int8", 2, AxisType.Auto), ("fp8", 4, AxisType.Explicit)]
+)
+def test_sharded_attention_over_quantized_pages(kind, D, axis_type):
     rng = np.random.default_rng(20 + D)
     q, k, v, local, lengths, global_table = sharded_inputs(
         rng, D, slots_per_device=12 // D, pages_per_device=12 // D + 2, lengths=(45, 13, 0)
     )
     kq, vq = quantized_pools(k, v, kind)
-    mesh = make_test_mesh((D,), ("seq",))
+    mesh = make_test_mesh((D,), ("seq",), axis_type=axis_type)
     run = jax.jit(
         functools.partial(
             sharded_paged_attention, mesh=mesh, seq_axis="seq", window=9, return_page_mass=True
