@@ -114,11 +114,14 @@ def check_pages(fn: str, k_pages, v_pages) -> tuple[int, int, int, int]:
     :class:`paged.QuantizedPages` of one format); returns ``(K, P, C, H)``."""
     if is_quantized(k_pages) or is_quantized(v_pages):
         if not (is_quantized(k_pages) and is_quantized(v_pages)):
-            name, other = ("v_pages", k_pages) if is_quantized(k_pages) else ("k_pages", v_pages)
+            if is_quantized(k_pages):
+                name, pool, other = "v_pages", v_pages, k_pages
+            else:
+                name, pool, other = "k_pages", k_pages, v_pages
             raise ValueError(
                 f"{fn}: {name}: expected a pool of the same kind as the other one "
                 f"(quantized {pool_kind(other)!r}: both paged.QuantizedPages of one format, "
-                f"or both float arrays), got {describe(v_pages if name == 'v_pages' else k_pages)}"
+                f"or both float arrays), got {describe(pool)}"
             )
         check_quantized(fn, "k_pages", k_pages, 4)
         check_quantized(fn, "v_pages", v_pages, 4)
