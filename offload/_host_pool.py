@@ -18,6 +18,7 @@ from jaxtyping import Array, Shaped
 
 from offload._checks import check_int
 from offload._tiers import HOST_MEMORY_KINDS, PINNED_HOST, host_memory_kind
+from paged import QuantizedPages
 
 __all__ = ["HostPagePool", "make_host_page_pool"]
 
@@ -57,6 +58,11 @@ def page_shards(x: jax.Array) -> int:
 
 def check_pool(fn: str, name: str, k, v) -> None:
     """``k`` and ``v`` are pools ``[K, P, C, H]`` or ``[L, K, P, C, H]`` of one shape/sharding."""
+    if isinstance(k, QuantizedPages) or isinstance(v, QuantizedPages):
+        raise NotImplementedError(
+            f"{fn}: {name}: quantized pools (paged.QuantizedPages) cannot be moved to the host "
+            "tiers yet; keep quantized caches on the device, or offload float pools"
+        )
     for part, x in (("k", k), ("v", v)):
         if not isinstance(x, jax.Array):
             raise ValueError(
@@ -159,8 +165,8 @@ def zeros_fn(shape, dtype, sharding):
 
 
 def make_host_page_pool(
-    k_pages: Shaped[Array, "*L K P C H"],
-    v_pages: Shaped[Array, "*L K P C H"],
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
     num_slots: int | np.integer,
 ) -> HostPagePool:
     """Allocates a zeroed host pool with ``num_slots`` page slots mirroring a device pool.
@@ -184,6 +190,8 @@ def make_host_page_pool(
       ValueError: on mismatched or non-device pools, a zero-sized axis, a ``num_slots`` that
         is not a positive int (or not a multiple of ``D``), or devices without pinned host
         memory.
+      NotImplementedError: for quantized pools (``paged.QuantizedPages``): not moved to
+        the host tiers yet.
 
     Example:
       >>> k = jnp.zeros((2, 4, 8, 16, 32))

@@ -25,7 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 import ringattn
 from offload._attention_mass import mass_kept_from_lse
 from offload._checks import check_array, check_lengths, check_table
-from paged import paged_attention
+from paged import QuantizedPages, paged_attention
 
 __all__ = ["MixedAttention", "mixed_residency_attention", "split_residency"]
 
@@ -91,16 +91,23 @@ def split_residency(
     return device, cold
 
 
+def _kind(pool) -> str:
+    """A float pool's dtype, or ``quantized <kind>`` (for comparisons and messages)."""
+    if isinstance(pool, QuantizedPages):
+        return f"quantized {pool.format.kind!r}"
+    return str(pool.dtype)
+
+
 def mixed_residency_attention(
     q: Float[Array, "B T N H"],
-    k_pages: Float[Array, "K P C H"],
-    v_pages: Float[Array, "K P C H"],
+    k_pages: Float[Array, "K P C H"] | QuantizedPages,
+    v_pages: Float[Array, "K P C H"] | QuantizedPages,
     device_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     *,
     cold_table: Int[Array | np.ndarray, "B M"] | None = None,
-    cold_k_pages: Float[Array, "K Pc C H"] | None = None,
-    cold_v_pages: Float[Array, "K Pc C H"] | None = None,
+    cold_k_pages: Float[Array, "K Pc C H"] | QuantizedPages | None = None,
+    cold_v_pages: Float[Array, "K Pc C H"] | QuantizedPages | None = None,
     q_positions: Int[Array | np.ndarray, "B T"] | None = None,
     mask: ringattn.MaskSpec | None = None,
     causal: bool | np.bool_ | None = None,
@@ -123,7 +130,9 @@ def mixed_residency_attention(
 
     Args:
       q: ``[B, T, N, H]`` queries (``T = 1`` for decode).
-      k_pages: ``[K, P, C, H]`` device key pool of one layer (heads-major; page 0 = null).
+      k_pages: ``[K, P, C, H]`` device key pool of one layer (heads-major; page 0 = null): a
+        float array or a ``paged.QuantizedPages`` (then the cold pools are quantized in the
+        same format; each part decodes per block inside ``paged.paged_attention``).
       v_pages: ``[K, P, C, H]`` device value pool.
       device_table: ``[B, M]`` int, device page per slot, 0 = not on the device.
       lengths: ``[B]`` int tokens per sequence (positions ``>= lengths`` are ignored).
@@ -170,15 +179,20 @@ def mixed_residency_attention(
     """
     fn = "mixed_residency_attention"
     B, T, N, H = check_array(fn, "q", q, ndim=4, kind=jnp.floating, layout="[B, T, N, H]")
-    K, P, C, _ = check_array(
-        fn, "k_pages", k_pages, ndim=4, kind=jnp.floating, layout=f"[K, P, C, H={H}]"
-    )
+    if isinstance(k_pages, QuantizedPages):  # paged_attention checks data and scales
+        if k_pages.ndim != 4:
+            raise ValueError(f"{fn}: k_pages: expected [K, P, C, H={H}], got {k_pages.shape}")
+        K, P, C, _ = k_pages.shape
+    else:
+        K, P, C, _ = check_array(
+            fn, "k_pages", k_pages, ndim=4, kind=jnp.floating, layout=f"[K, P, C, H={H}]"
+        )
     if k_pages.shape[3] != H:
         raise ValueError(f"{fn}: k_pages: expected [K, P, C, H={H}], got {tuple(k_pages.shape)}")
-    if v_pages.shape != k_pages.shape:
+    if v_pages.shape != k_pages.shape or _kind(v_pages) != _kind(k_pages):
         raise ValueError(
-            f"{fn}: v_pages: expected k_pages' shape {tuple(k_pages.shape)}, "
-            f"got {tuple(v_pages.shape)}"
+            f"{fn}: v_pages: expected k_pages' shape {tuple(k_pages.shape)} and kind "
+            f"{_kind(k_pages)}, got {tuple(v_pages.shape)} and {_kind(v_pages)}"
         )
     if H == 0 or C == 0 or P == 0:
         raise ValueError(
@@ -214,8 +228,10 @@ def mixed_residency_attention(
                     f"{fn}: {name}: expected shape [K={K}, Pc >= 1, C={C}, H={H}], got "
                     f"{tuple(pool.shape)}"
                 )
-            if pool.dtype != k_pages.dtype:
-                raise ValueError(f"{fn}: {name}: expected dtype {k_pages.dtype}, got {pool.dtype}")
+            if _kind(pool) != _kind(k_pages):
+                raise ValueError(
+                    f"{fn}: {name}: expected dtype {_kind(k_pages)}, got {_kind(pool)}"
+                )
         if cold_v_pages.shape != cold_k_pages.shape:
             raise ValueError(
                 f"{fn}: cold_v_pages: expected cold_k_pages' shape {tuple(cold_k_pages.shape)}, "

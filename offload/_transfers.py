@@ -50,6 +50,7 @@ from offload._host_pool import (
 )
 from offload._page_copy import check_same_shards, copy_pages, prefetch_fn, prefetch_per_shard
 from offload._tiers import TransferHandle
+from paged import QuantizedPages
 
 __all__ = ["page_in", "page_out", "prefetch_layer"]
 
@@ -64,8 +65,8 @@ def _check_pairs(fn: str, src, dst, dst_name: str, source, target) -> None:
 
 
 def page_out(
-    k_pages: Shaped[Array, "*L K P C H"],
-    v_pages: Shaped[Array, "*L K P C H"],
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
     page_ids: IdList,
     host_pool: HostPagePool,
     host_slots: IdList,
@@ -97,6 +98,8 @@ def page_out(
       ValueError: on mismatched pools, pools in the wrong memory kind, ids that are not 1-D
         integers of equal length, out of range, repeated host slots, or (pools split along
         the page axis) a page and a slot on different devices.
+      NotImplementedError: for quantized pools (``paged.QuantizedPages``): not moved to
+        the host tiers yet.
 
     Example:
       >>> k = jnp.ones((2, 4, 8, 16, 32)); host = make_host_page_pool(k, k, 64)
@@ -120,8 +123,8 @@ def page_out(
 def page_in(
     host_pool: HostPagePool,
     host_slots: IdList,
-    k_pages: Shaped[Array, "*L K P C H"],
-    v_pages: Shaped[Array, "*L K P C H"],
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
     page_ids: IdList,
     *,
     request_id: str | None = None,
@@ -150,6 +153,8 @@ def page_in(
       ValueError: on mismatched pools, pools in the wrong memory kind, ids that are not 1-D
         integers of equal length, out of range, repeated device page ids, or (pools split
         along the page axis) a slot and a page on different devices.
+      NotImplementedError: for quantized pools (``paged.QuantizedPages``): not moved to
+        the host tiers yet.
 
     Example:
       >>> k = jnp.ones((2, 4, 8, 16, 32)); host = make_host_page_pool(k, k, 64)

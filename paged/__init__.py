@@ -30,6 +30,12 @@ their oracles are :func:`paged_attention_reference` and :func:`ragged_paged_atte
 Keys no query may see (past ``lengths``, on the null page or a bad id, causal future, outside
 the window) have no effect on any output, even if they hold NaN or inf.
 
+Quantized KV: ``init_paged_cache(..., kv_format=KVFormat("int8" | "fp8"))`` stores pools as
+:class:`QuantizedPages` (int8 / float8_e4m3fn values plus one float32 absmax scale per token
+per kv head, ``scale [L, K, P, C]`` beside ``data [L, K, P, C, H]``); writes quantize, the
+attention functions decode one page block at a time in float32, :func:`gather_kv` decodes.
+:func:`quantize_pages` turns a float pool into one.
+
 Page 0 is our reserved null page; JAX's and vLLM's page tables use page 0 as an ordinary
 page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages).
 """
@@ -62,6 +68,7 @@ from paged._device_alloc import (
 )
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
+from paged._quantized import KVFormat, QuantizedPages, quantize_pages
 from paged._reference import paged_attention_reference, ragged_paged_attention_reference
 from paged._sharded import sharded_paged_attention
 from paged._validate import from_zero_based_table, validate, validate_page_table
@@ -71,12 +78,14 @@ __all__ = [
     "Admission",
     "AllocatorStats",
     "CopyPlan",
+    "KVFormat",
     "OutOfPages",
     "PageAllocator",
     "DEFAULT_PAGES_PER_BLOCK",
     "FreePageStack",
     "PagedAttentionOutput",
     "PagedKVCache",
+    "QuantizedPages",
     "advance",
     "append",
     "copy_pages",
@@ -89,6 +98,7 @@ __all__ = [
     "paged_attention_reference",
     "pop_pages",
     "push_pages",
+    "quantize_pages",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "sharded_paged_attention",

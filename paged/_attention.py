@@ -22,6 +22,10 @@ Safety by construction (nothing value-dependent can raise under ``jit``):
   unused slots, freed pages or the null page never reaches a result;
 * a query with no visible key gets ``out = 0`` and ``lse = -inf`` (``lse = sink`` with sinks).
 
+Quantized pools (:class:`paged.QuantizedPages`) are decoded one page block at a time in
+float32 inside the walk; their NaN / inf scales in unreadable slots are removed like any
+garbage.
+
 Use :func:`paged.validate_page_table` eagerly (tests, notebooks) to catch such tables loudly.
 
 Jit with options bound: ``jax.jit(functools.partial(paged_attention, window=128))``. The loops
@@ -47,8 +51,10 @@ from paged._checks import (
     check_table,
     describe,
     int_option,
+    pool_dtype,
 )
 from paged._page_walk import attend_sequence, kernel_options, pad_table
+from paged._quantized import QuantizedPages
 
 __all__ = [
     "DEFAULT_PAGES_PER_BLOCK",
@@ -168,8 +174,8 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, q_positions,
 
 def paged_attention(
     q: Float[Array, "B T N H"],
-    k_pages: Float[Array, "K P C H"],
-    v_pages: Float[Array, "K P C H"],
+    k_pages: Float[Array, "K P C H"] | QuantizedPages,
+    v_pages: Float[Array, "K P C H"] | QuantizedPages,
     page_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     *,
@@ -194,7 +200,9 @@ def paged_attention(
     Args:
       q: ``[B, T, N, H]`` queries, ``T`` small (a decode step, speculative tokens).
       k_pages: ``[K, P, C, H]`` key pool (heads-major), same dtype as ``q``; page 0 is null.
-      v_pages: ``[K, P, C, H]`` value pool.
+        Or a :class:`paged.QuantizedPages` (int8 / fp8 with per-token scales, any float
+        ``q``): decoded block by block in float32 inside the page walk.
+      v_pages: ``[K, P, C, H]`` value pool, of the same kind (and format) as ``k_pages``.
       page_table: ``[B, M]`` int page ids (numpy from the allocator, or jax); slot ``j`` of
         sequence ``b`` holds its tokens ``j * C ... j * C + C - 1``. Unused slots point to 0.
       lengths: ``[B]`` int number of valid tokens of each sequence (``<= M * C``).
@@ -233,7 +241,7 @@ def paged_attention(
     check_array(fn, "q", q, 4, jnp.floating)
     B, T, N, _ = q.shape
     K, P, C, H = check_pages(fn, k_pages, v_pages)
-    check_heads(fn, q, K, H, k_pages.dtype)
+    check_heads(fn, q, K, H, pool_dtype(k_pages))
     check_table(fn, page_table, lengths, B)
     if T < 1:
         raise ValueError(f"{fn}: q: expected at least one query token (T >= 1), got {describe(q)}")
@@ -319,8 +327,8 @@ def _ragged_impl(
 
 def ragged_paged_attention(
     q: Float[Array, "Q N H"],
-    k_pages: Float[Array, "K P C H"],
-    v_pages: Float[Array, "K P C H"],
+    k_pages: Float[Array, "K P C H"] | QuantizedPages,
+    v_pages: Float[Array, "K P C H"] | QuantizedPages,
     page_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     cu_q_lens: Int[Array | np.ndarray, " B+1"],
@@ -349,7 +357,9 @@ def ragged_paged_attention(
     Args:
       q: ``[Q, N, H]`` queries of all sequences, concatenated (``Q`` = total tokens).
       k_pages: ``[K, P, C, H]`` key pool (heads-major), same dtype as ``q``; page 0 is null.
-      v_pages: ``[K, P, C, H]`` value pool.
+        Or a :class:`paged.QuantizedPages` (int8 / fp8 with per-token scales, any float
+        ``q``): decoded block by block in float32 inside the page walk.
+      v_pages: ``[K, P, C, H]`` value pool, of the same kind (and format) as ``k_pages``.
       page_table: ``[B, M]`` int page ids per sequence (unused slots: 0).
       lengths: ``[B]`` int tokens in each sequence's cache, including its new queries.
       cu_q_lens: ``[B + 1]`` int cumulative query counts, ``cu_q_lens[0] = 0``, non-decreasing.
@@ -385,7 +395,7 @@ def ragged_paged_attention(
     check_array(fn, "q", q, 3, jnp.floating)
     total, N, _ = q.shape
     K, P, C, H = check_pages(fn, k_pages, v_pages)
-    check_heads(fn, q, K, H, k_pages.dtype)
+    check_heads(fn, q, K, H, pool_dtype(k_pages))
     B, _ = check_table(fn, page_table, lengths, None)
     if total < 1:
         raise ValueError(f"{fn}: q: expected at least one token row (Q >= 1), got {describe(q)}")

@@ -19,6 +19,12 @@ business (:mod:`paged`'s ``PageAllocator``) or the on-device free stack's
 (:func:`paged.ensure_next_page`); this module only moves data. :func:`paged.validate` checks a
 cache eagerly and loudly.
 
+With a :class:`paged.KVFormat` (``init_paged_cache(..., kv_format=KVFormat("int8"))``) the
+pools are :class:`paged.QuantizedPages` (``data [L, K, P, C, H]`` int8 / float8_e4m3fn plus
+``scale [L, K, P, C]`` float32): every write quantizes each token's ``[H]`` vector per kv head
+on the way in, :func:`gather_kv` decodes to float32, and ``cache.k_pages[layer]`` is the
+layer's quantized pool, which the paged attention functions take as they take a float pool.
+
 Every function here is jittable as it is (``jax.jit(write)``); ``gather_kv`` takes its layer
 as a static argument (``jax.jit(gather_kv, static_argnums=1)``).
 """
@@ -32,6 +38,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from paged._checks import check_array, describe, int_option, is_int, layer_index
+from paged._quantized import KVFormat, QuantizedPages, is_quantized, set_tokens, take_decoded
 
 __all__ = [
     "PagedKVCache",
@@ -52,14 +59,16 @@ class PagedKVCache(NamedTuple):
 
     Attributes:
       k_pages: ``[L, K, P, C, H]`` keys; ``k_pages[l, h, page_table[b, i // C], i % C]`` is
-        token ``i`` of sequence ``b``. Page 0 is the null page.
-      v_pages: ``[L, K, P, C, H]`` values.
+        token ``i`` of sequence ``b``. Page 0 is the null page. A float array, or a
+        :class:`paged.QuantizedPages` (data of that shape, scales ``[L, K, P, C]``) for a
+        cache built with a ``kv_format``.
+      v_pages: ``[L, K, P, C, H]`` values, of the same kind as ``k_pages``.
       page_table: ``[B, M]`` int32 page ids (0 = no page).
       lengths: ``[B]`` int32 valid tokens per sequence.
     """
 
-    k_pages: Float[Array, "L K P C H"]
-    v_pages: Float[Array, "L K P C H"]
+    k_pages: Float[Array, "L K P C H"] | QuantizedPages
+    v_pages: Float[Array, "L K P C H"] | QuantizedPages
     page_table: Int[Array, "B M"]
     lengths: Int[Array, " B"]
 
@@ -73,6 +82,11 @@ class PagedKVCache(NamedTuple):
         """Tokens one sequence can hold, ``M * C`` (static)."""
         return self.page_table.shape[1] * self.k_pages.shape[3]
 
+    @property
+    def kv_format(self) -> KVFormat | None:
+        """The pools' :class:`paged.KVFormat`, or None for float pools (static)."""
+        return self.k_pages.format if is_quantized(self.k_pages) else None
+
 
 def init_paged_cache(
     num_layers: IntScalar,
@@ -83,6 +97,8 @@ def init_paged_cache(
     batch: IntScalar,
     max_pages_per_seq: IntScalar,
     dtype=jnp.float32,
+    *,
+    kv_format: KVFormat | None = None,
 ) -> PagedKVCache:
     """An empty cache: zero pools, every table slot on the null page, lengths 0.
 
@@ -97,13 +113,18 @@ def init_paged_cache(
       head_dim: ``H``.
       batch: ``B`` sequences.
       max_pages_per_seq: ``M`` page-table slots per sequence.
-      dtype: pool dtype (a float dtype).
+      dtype: pool dtype (a float dtype). Still checked, but unused with a ``kv_format``.
+      kv_format: None (float pools of ``dtype``, as always) or a :class:`paged.KVFormat`:
+        the pools are then :class:`paged.QuantizedPages` (data ``[L, K, P, C, H]`` in
+        ``kv_format.storage_dtype``, zero; scales ``[L, K, P, C]`` float32, zero), read back
+        as float32.
 
     Returns:
       A :class:`PagedKVCache`.
 
     Raises:
-      ValueError: on a non-positive size, ``num_pages < 2`` or a non-float dtype.
+      ValueError: on a non-positive size, ``num_pages < 2``, a non-float dtype or a
+        ``kv_format`` that is not a :class:`paged.KVFormat`.
 
     Example:
       >>> cache = init_paged_cache(2, 1, 8, 4, 16, batch=2, max_pages_per_seq=3)
@@ -124,10 +145,24 @@ def init_paged_cache(
         floating = False
     if not floating:
         raise ValueError(f"{fn}: dtype: expected a float dtype, got {dtype!r}")
-    pool = jnp.zeros((L, K, P, C, H), dtype)
+    if kv_format is None:
+        k_pages = jnp.zeros((L, K, P, C, H), dtype)
+        v_pages = jnp.zeros_like(k_pages)
+    elif isinstance(kv_format, KVFormat):
+
+        def pool():
+            return QuantizedPages(
+                jnp.zeros((L, K, P, C, H), kv_format.storage_dtype),
+                jnp.zeros((L, K, P, C), jnp.float32),
+                kv_format,
+            )
+
+        k_pages, v_pages = pool(), pool()
+    else:
+        raise ValueError(f"{fn}: kv_format: expected None or a paged.KVFormat, got {kv_format!r}")
     return PagedKVCache(
-        k_pages=pool,
-        v_pages=jnp.zeros_like(pool),
+        k_pages=k_pages,
+        v_pages=v_pages,
         page_table=jnp.zeros((B, M), jnp.int32),
         lengths=jnp.zeros((B,), jnp.int32),
     )
@@ -152,6 +187,8 @@ def _check_kv(fn: str, cache: PagedKVCache, k, v, *, per_layer: bool):
         raise ValueError(
             f"{fn}: k: expected shape {want} with L={L}, B={B}, K={K}, H={H}, got {k.shape}"
         )
+    if is_quantized(cache.k_pages):  # quantized from float32 on the way in
+        return k.astype(jnp.float32), v.astype(jnp.float32)
     return k.astype(cache.k_pages.dtype), v.astype(cache.v_pages.dtype)
 
 
@@ -228,8 +265,9 @@ def _write_layer_impl(cache, layer, k, v, start):
     L = cache.k_pages.shape[0]
     layer = jnp.where((layer >= 0) & (layer < L), layer, L)  # out of range: dropped
     # Index [layer, :, ids, offset]: the advanced indices broadcast to [B, T] and lead.
-    k_pages = cache.k_pages.at[layer, :, ids, offset].set(k, mode="drop")
-    v_pages = cache.v_pages.at[layer, :, ids, offset].set(v, mode="drop")
+    index = (layer, slice(None), ids, offset)
+    k_pages = set_tokens(cache.k_pages, index, k)
+    v_pages = set_tokens(cache.v_pages, index, v)
     return cache._replace(k_pages=k_pages, v_pages=v_pages)
 
 
@@ -328,8 +366,9 @@ def _write_impl(cache, k, v, start):
     ids, offset = _target_pages(cache, start, T)
     # [L, :, ids, offset] -> indexed shape [L, B, T, K, H] (advanced dims after the slice).
     layers = jnp.arange(L)[:, None, None]
-    k_pages = cache.k_pages.at[layers, :, ids[None], offset[None]].set(k, mode="drop")
-    v_pages = cache.v_pages.at[layers, :, ids[None], offset[None]].set(v, mode="drop")
+    index = (layers, slice(None), ids[None], offset[None])
+    k_pages = set_tokens(cache.k_pages, index, k)
+    v_pages = set_tokens(cache.v_pages, index, v)
     lengths = jnp.clip(jnp.maximum(cache.lengths, start + T), 0, cache.capacity)
     return PagedKVCache(k_pages, v_pages, cache.page_table, lengths)
 
@@ -339,7 +378,8 @@ def gather_kv(
 ) -> tuple[Float[Array, "B S K H"], Float[Array, "B S K H"]]:
     """Contiguous ``k, v [B, M * C, K, H]`` of one layer (for tests and debugging).
 
-    Tokens at positions ``>= lengths`` or on a null / out-of-range page are zeros.
+    Tokens at positions ``>= lengths`` or on a null / out-of-range page are zeros. A quantized
+    cache returns its decoded values, float32 (``data * scale``).
 
     Jit with the layer static: ``jax.jit(gather_kv, static_argnums=1)``.
 
@@ -366,7 +406,7 @@ def _gather_kv_impl(cache, layer):
     ok = jnp.repeat(page_ok, C, axis=1) & (pos[None] < cache.lengths[:, None])  # [B, S]
 
     def one(pool):
-        x = pool[layer][:, ids]  # [K, B, M, C, H]
+        x = take_decoded(pool[layer], (slice(None), ids))  # [K, B, M, C, H]
         x = x.transpose(1, 2, 3, 0, 4).reshape(B, M * C, K, H)
         return jnp.where(ok[:, :, None, None], x, jnp.zeros((), x.dtype))
 

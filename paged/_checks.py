@@ -9,10 +9,15 @@ mask options (``scale``, ``softcap``) are checked by :func:`ringattn.resolve_mas
 import jax.numpy as jnp
 import numpy as np
 
+from paged._quantized import KVFormat, is_quantized
+
 __all__ = [
     "check_array",
     "check_heads",
     "check_pages",
+    "check_quantized",
+    "pool_dtype",
+    "pool_kind",
     "check_table",
     "describe",
     "host_int_array",
@@ -29,6 +34,8 @@ def is_int(x) -> bool:
 
 def describe(x) -> str:
     """``shape (..) dtype ..`` of an array, or the repr of anything else."""
+    if is_quantized(x):
+        return f"QuantizedPages {x.format.kind!r} shape {tuple(x.data.shape)}"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"shape {tuple(x.shape)} dtype {x.dtype}"
     return f"{type(x).__name__} {x!r}"
@@ -75,10 +82,57 @@ def check_array(fn: str, name: str, x, ndim: int, kind) -> None:
         raise ValueError(f"{fn}: {name}: expected {article} {what} array, got {describe(x)}")
 
 
+def check_quantized(fn: str, name: str, pages, ndim: int) -> None:
+    """A :class:`paged.QuantizedPages` of rank ``ndim`` with consistent data and scales."""
+    data, scale, kv_format = pages.data, pages.scale, pages.format
+    if not isinstance(kv_format, KVFormat):
+        raise ValueError(f"{fn}: {name}: expected format a paged.KVFormat, got {kv_format!r}")
+    for part, x in (("data", data), ("scale", scale)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{fn}: {name}.{part}: expected an array, got {describe(x)}")
+    if data.ndim != ndim:
+        raise ValueError(f"{fn}: {name}.data: expected rank {ndim}, got {describe(data)}")
+    if data.dtype != kv_format.storage_dtype:
+        raise ValueError(
+            f"{fn}: {name}.data: expected dtype {kv_format.storage_dtype} (format "
+            f"{kv_format.kind!r}), got {describe(data)}"
+        )
+    if tuple(scale.shape) != tuple(data.shape[:-1]) or scale.dtype != jnp.float32:
+        raise ValueError(
+            f"{fn}: {name}.scale: expected float32 scales of shape {tuple(data.shape[:-1])} "
+            f"(data's shape without H), got {describe(scale)}"
+        )
+
+
+def pool_kind(pages) -> str:
+    """``"float"`` or the quantized format's kind (for messages)."""
+    return pages.format.kind if is_quantized(pages) else "float"
+
+
 def check_pages(fn: str, k_pages, v_pages) -> tuple[int, int, int, int]:
-    """Checks ``k_pages, v_pages [K, P, C, H]``; returns ``(K, P, C, H)``."""
-    check_array(fn, "k_pages", k_pages, 4, jnp.floating)
-    check_array(fn, "v_pages", v_pages, 4, jnp.floating)
+    """Checks ``k_pages, v_pages [K, P, C, H]`` (float arrays, or both
+    :class:`paged.QuantizedPages` of one format); returns ``(K, P, C, H)``."""
+    if is_quantized(k_pages) or is_quantized(v_pages):
+        if not (is_quantized(k_pages) and is_quantized(v_pages)):
+            if is_quantized(k_pages):
+                name, pool, other = "v_pages", v_pages, k_pages
+            else:
+                name, pool, other = "k_pages", k_pages, v_pages
+            raise ValueError(
+                f"{fn}: {name}: expected a pool of the same kind as the other one "
+                f"(quantized {pool_kind(other)!r}: both paged.QuantizedPages of one format, "
+                f"or both float arrays), got {describe(pool)}"
+            )
+        check_quantized(fn, "k_pages", k_pages, 4)
+        check_quantized(fn, "v_pages", v_pages, 4)
+        if k_pages.format != v_pages.format or k_pages.shape != v_pages.shape:
+            raise ValueError(
+                f"{fn}: v_pages: expected the shape and format of k_pages ({k_pages.shape}, "
+                f"{k_pages.format.kind!r}), got {v_pages.shape}, {v_pages.format.kind!r}"
+            )
+    else:
+        check_array(fn, "k_pages", k_pages, 4, jnp.floating)
+        check_array(fn, "v_pages", v_pages, 4, jnp.floating)
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
         raise ValueError(
             f"{fn}: v_pages: expected the shape and dtype of k_pages ({describe(k_pages)}), "
@@ -113,7 +167,8 @@ def check_table(fn: str, page_table, lengths, B: int | None) -> tuple[int, int]:
 
 
 def check_heads(fn: str, q, K: int, H: int, pool_dtype) -> None:
-    """Query heads ``N`` (``q.shape[-2]``) a positive multiple of ``K``, same ``H`` and dtype."""
+    """Query heads ``N`` (``q.shape[-2]``) a positive multiple of ``K``, same ``H`` and dtype
+    (``pool_dtype=None``, a quantized pool: any float ``q``)."""
     N, Hq = q.shape[-2], q.shape[-1]
     if Hq != H:
         raise ValueError(f"{fn}: q: expected head dim {H} (that of k_pages), got {q.shape}")
@@ -122,7 +177,7 @@ def check_heads(fn: str, q, K: int, H: int, pool_dtype) -> None:
             f"{fn}: q: expected query heads N a positive multiple of kv heads K={K} "
             f"(MHA, GQA, MQA), got N={N}"
         )
-    if q.dtype != pool_dtype:
+    if pool_dtype is not None and q.dtype != pool_dtype:
         raise ValueError(f"{fn}: q: expected dtype {pool_dtype} (the pages' dtype), got {q.dtype}")
 
 
@@ -140,3 +195,8 @@ def host_int_array(fn: str, name: str, x, ndim: int) -> np.ndarray:
             f"dtype {array.dtype}"
         )
     return array
+
+
+def pool_dtype(pages):
+    """The dtype ``q`` must have for this pool: the float pool's, None (any) if quantized."""
+    return None if is_quantized(pages) else pages.dtype

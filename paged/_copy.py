@@ -80,7 +80,8 @@ def copy_pages(cache: PagedKVCache, plan: CopyPlan) -> PagedKVCache:
     """Copies pages ``plan.src[i] -> plan.dst[i]`` in every layer's pools (copy-on-write).
 
     Pairs whose ``dst`` is the null page or out of range are dropped; an invalid ``src``
-    copies zeros. The page table is not changed. An empty plan returns the cache unchanged
+    copies zeros. The page table is not changed. Quantized pools copy their stored values and
+    scales as they are (exact). An empty plan returns the cache unchanged
     (same values). Jittable as it is (``jax.jit(copy_pages)``); plans are padded to a power
     of two, so plan lengths 2 and 3 share one compiled program.
 
@@ -132,9 +133,13 @@ def _copy_pages_impl(cache, src, dst):
     src_ok = (src > 0) & (src < P)
     dst = jnp.where((dst > 0) & (dst < P), dst, P)
 
-    def one(pool):
-        data = jnp.take(pool, jnp.where(src_ok, src, 0), axis=2)  # [L, K, n, C, H]
-        data = jnp.where(src_ok[None, None, :, None, None], data, jnp.zeros((), pool.dtype))
+    def one(pool):  # a float pool [L, K, P, C, H], or a quantized pool's data or scales
+        data = jnp.take(pool, jnp.where(src_ok, src, 0), axis=2)  # [L, K, n, C, ...]
+        ok = src_ok.reshape(1, 1, -1, *(1,) * (pool.ndim - 3))
+        data = jnp.where(ok, data, jnp.zeros((), pool.dtype))
         return pool.at[:, :, dst].set(data, mode="drop")
 
-    return cache._replace(k_pages=one(cache.k_pages), v_pages=one(cache.v_pages))
+    # A quantized pool copies its stored values and scales as they are (no re-quantization).
+    return cache._replace(
+        k_pages=jax.tree.map(one, cache.k_pages), v_pages=jax.tree.map(one, cache.v_pages)
+    )

@@ -12,6 +12,12 @@ Masked keys have no effect: a key that no query may see (past the length, on the
 or an out-of-range id, causal future, outside its head's window) is removed by ``where`` on
 the logits (``-inf``) and on the values (zeros) before ``p @ v``, so NaN or inf stored there
 never reaches a result.
+
+Quantized pools (:class:`paged.QuantizedPages`) are decoded one block at a time: the step
+gathers the block's stored values and scales and multiplies them out in float32
+(``[K, pages_per_block * C, H]``), so no decoded copy of the pool ever exists; queries are
+then taken in float32 too. A NaN scale in a slot nobody may see is removed by the same
+selects.
 """
 
 import dataclasses
@@ -20,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import ringattn
+from paged._quantized import dequantize_block, is_quantized
 from ringattn import finalize_online_softmax, init_online_softmax, update_online_softmax
 
 __all__ = ["KernelOptions", "attend_sequence", "kernel_options", "pad_table"]
@@ -90,6 +97,17 @@ def pad_table(page_table, pages_per_block: int):
     return page_table
 
 
+def take_block(pool, ids, span: int):
+    """Pages ``ids [n]`` of a ``[K, P, C, H]`` pool as ``[K, n * C, H]`` (decoded to float32
+    if quantized; ids already clamped into range)."""
+    K, _, _, H = pool.shape
+    if is_quantized(pool):
+        data = jnp.take(pool.data, ids, axis=1, mode="clip")  # [K, n, C, H]
+        scale = jnp.take(pool.scale, ids, axis=1, mode="clip")  # [K, n, C]
+        return dequantize_block(data, scale).reshape(K, span, H)
+    return jnp.take(pool, ids, axis=1, mode="clip").reshape(K, span, H)
+
+
 def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages, *, opts):
     """Attention of ``R`` query rows of one sequence over its pages.
 
@@ -99,7 +117,7 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
       q_valid: ``[R]`` bool; invalid rows see nothing.
       table_row: ``[M']`` int32 page ids, ``M'`` a multiple of ``pages_per_block``.
       length: scalar int32, number of valid tokens of the sequence.
-      k_pages, v_pages: ``[K, P, C, H]`` pools.
+      k_pages, v_pages: ``[K, P, C, H]`` pools (float arrays or ``QuantizedPages``).
       opts: :class:`KernelOptions`.
 
     Returns:
@@ -114,6 +132,8 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
     span = ppb * C
     num_blocks = table_row.shape[0] // ppb
     qh = q_rows.reshape(R, K, G, H).transpose(1, 2, 0, 3).reshape(K, GR, H)  # [K, G*R, H]
+    if is_quantized(k_pages):
+        qh = qh.astype(jnp.float32)  # against float32 decoded keys
     row_pos = jnp.tile(q_pos, G)  # [G*R], row g*R + r holds query r
     row_valid = jnp.tile(q_valid, G)
     if isinstance(opts.window, tuple):  # query head n = k * G + g
@@ -144,8 +164,8 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
         ids = lax.dynamic_slice(table_row, (j * ppb,), (ppb,))
         page_ok = (ids > 0) & (ids < P)  # the null page and out-of-range ids are masked
         ids = jnp.where(page_ok, ids, 0)
-        kb = jnp.take(k_pages, ids, axis=1, mode="clip").reshape(K, span, H)
-        vb = jnp.take(v_pages, ids, axis=1, mode="clip").reshape(K, span, H)
+        kb = take_block(k_pages, ids, span)
+        vb = take_block(v_pages, ids, span)
         kv_pos = j * span + jnp.arange(span, dtype=jnp.int32)
         token_ok = jnp.repeat(page_ok, C) & (kv_pos < length)  # [span]
         s = jnp.einsum("krh,ksh->krs", qh, kb, preferred_element_type=jnp.float32)

@@ -9,6 +9,8 @@ windows, masked keys having no effect) and nothing of its block walking. They bu
 (``jax.jit(functools.partial(paged_attention_reference, window=8))``).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +26,15 @@ from paged._attention import (
     resolve_mask,
 )
 from paged._cache import PagedKVCache, gather_kv
-from paged._checks import check_array, check_heads, check_pages, check_table, describe
+from paged._checks import (
+    check_array,
+    check_heads,
+    check_pages,
+    check_table,
+    describe,
+    pool_dtype,
+)
+from paged._quantized import QuantizedPages
 
 __all__ = ["paged_attention_reference", "ragged_paged_attention_reference"]
 
@@ -34,7 +44,8 @@ def _dense(k_pages, v_pages, page_table, lengths):
     P, C = k_pages.shape[1], k_pages.shape[2]
     page_table = jnp.asarray(page_table, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
-    cache = PagedKVCache(k_pages[None], v_pages[None], page_table, lengths)
+    add_layer = functools.partial(jax.tree.map, lambda x: x[None])  # float or quantized
+    cache = PagedKVCache(add_layer(k_pages), add_layer(v_pages), page_table, lengths)
     k, v = gather_kv(cache, 0)
     S = k.shape[1]
     page_ok = (page_table > 0) & (page_table < P)
@@ -65,8 +76,8 @@ def _page_mass(q, k, v, valid, q_pos, q_seg, spec, lse_total, M: int, C: int):
 
 def paged_attention_reference(
     q: Float[Array, "B T N H"],
-    k_pages: Float[Array, "K P C H"],
-    v_pages: Float[Array, "K P C H"],
+    k_pages: Float[Array, "K P C H"] | QuantizedPages,
+    v_pages: Float[Array, "K P C H"] | QuantizedPages,
     page_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     *,
@@ -83,7 +94,8 @@ def paged_attention_reference(
 
     Args:
       q: ``[B, T, N, H]`` queries.
-      k_pages: ``[K, P, C, H]`` key pool; page 0 is null.
+      k_pages: ``[K, P, C, H]`` key pool; page 0 is null. A :class:`paged.QuantizedPages` is
+        decoded to float32 first (through :func:`paged.gather_kv`).
       v_pages: ``[K, P, C, H]`` value pool.
       page_table: ``[B, M]`` int page ids.
       lengths: ``[B]`` int valid tokens per sequence.
@@ -115,7 +127,7 @@ def paged_attention_reference(
     check_array(fn, "q", q, 4, jnp.floating)
     B, T, N, _ = q.shape
     K, P, C, H = check_pages(fn, k_pages, v_pages)
-    check_heads(fn, q, K, H, k_pages.dtype)
+    check_heads(fn, q, K, H, pool_dtype(k_pages))
     _, M = check_table(fn, page_table, lengths, B)
     spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
     check_sinks(fn, sinks, N)
@@ -144,8 +156,8 @@ def paged_attention_reference(
 
 def ragged_paged_attention_reference(
     q: Float[Array, "Q N H"],
-    k_pages: Float[Array, "K P C H"],
-    v_pages: Float[Array, "K P C H"],
+    k_pages: Float[Array, "K P C H"] | QuantizedPages,
+    v_pages: Float[Array, "K P C H"] | QuantizedPages,
     page_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     cu_q_lens: Int[Array | np.ndarray, " B+1"],
@@ -166,7 +178,8 @@ def ragged_paged_attention_reference(
 
     Args:
       q: ``[Q, N, H]`` queries of all sequences, concatenated.
-      k_pages: ``[K, P, C, H]`` key pool; page 0 is null.
+      k_pages: ``[K, P, C, H]`` key pool; page 0 is null. A :class:`paged.QuantizedPages` is
+        decoded to float32 first (through :func:`paged.gather_kv`).
       v_pages: ``[K, P, C, H]`` value pool.
       page_table: ``[B, M]`` int page ids.
       lengths: ``[B]`` int tokens per sequence including its new queries.
@@ -200,7 +213,7 @@ def ragged_paged_attention_reference(
     check_array(fn, "q", q, 3, jnp.floating)
     total, N, _ = q.shape
     K, P, C, H = check_pages(fn, k_pages, v_pages)
-    check_heads(fn, q, K, H, k_pages.dtype)
+    check_heads(fn, q, K, H, pool_dtype(k_pages))
     B, M = check_table(fn, page_table, lengths, None)
     check_array(fn, "cu_q_lens", cu_q_lens, 1, jnp.integer)
     if tuple(cu_q_lens.shape) != (B + 1,):

@@ -40,8 +40,16 @@ from paged._attention import (
     finish,
     resolve_mask,
 )
-from paged._checks import check_array, check_heads, check_pages, check_table, int_option
+from paged._checks import (
+    check_array,
+    check_heads,
+    check_pages,
+    check_table,
+    int_option,
+    pool_dtype,
+)
 from paged._page_walk import kernel_options
+from paged._quantized import QuantizedPages
 
 __all__ = ["sharded_paged_attention"]
 
@@ -68,8 +76,8 @@ def local_partial(
 
 def sharded_paged_attention(
     q: Float[Array, "B T N H"],
-    k_pages: Float[Array, "K P C H"],
-    v_pages: Float[Array, "K P C H"],
+    k_pages: Float[Array, "K P C H"] | QuantizedPages,
+    v_pages: Float[Array, "K P C H"] | QuantizedPages,
     page_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     *,
@@ -96,7 +104,8 @@ def sharded_paged_attention(
 
     Args:
       q: ``[B, T, N, H]`` queries (replicated).
-      k_pages: ``[K, D * P_d, C, H]`` key pools, device ``d``'s shard is its local pool.
+      k_pages: ``[K, D * P_d, C, H]`` key pools, device ``d``'s shard is its local pool; a
+        :class:`paged.QuantizedPages` (its data and scales split along the page axis alike).
       v_pages: ``[K, D * P_d, C, H]`` value pools.
       page_table: ``[B, D * M_d]`` int, device ``d``'s columns hold local page ids.
       lengths: ``[B]`` int global lengths (``<= D * M_d * C``).
@@ -142,7 +151,7 @@ def sharded_paged_attention(
     check_array(fn, "q", q, 4, jnp.floating)
     B, T, N, _ = q.shape
     K, P, C, H = check_pages(fn, k_pages, v_pages)
-    check_heads(fn, q, K, H, k_pages.dtype)
+    check_heads(fn, q, K, H, pool_dtype(k_pages))
     _, M = check_table(fn, page_table, lengths, B)
     if T < 1:
         raise ValueError(f"{fn}: q: expected at least one query token (T >= 1), got {q.shape}")
@@ -197,7 +206,7 @@ def sharded_paged_attention(
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         # Explicit axes: shard_map wants its inputs already laid out as in_specs say.
         args = tuple(
-            jax.sharding.reshard(x, NamedSharding(mesh, s))
+            jax.tree.map(lambda leaf, s=s: jax.sharding.reshard(leaf, NamedSharding(mesh, s)), x)
             for x, s in zip(args, specs, strict=True)
         )
     out, lse, mass_rows = run(*args)

@@ -11,7 +11,8 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from paged._cache import PagedKVCache
-from paged._checks import check_array, host_int_array, int_option
+from paged._checks import check_array, check_quantized, host_int_array, int_option, pool_kind
+from paged._quantized import is_quantized
 
 __all__ = ["from_zero_based_table", "validate", "validate_page_table"]
 
@@ -90,9 +91,14 @@ def validate(cache: PagedKVCache) -> None:
 
     Host side: it reads values, so it cannot run under ``jit`` (call it outside).
 
+    A quantized cache (pools :class:`paged.QuantizedPages`) is also checked for consistent
+    data, scales and formats, and for finite scales in every readable slot (a token written
+    with NaN or inf stores a NaN scale and decodes to NaN: this is where it is caught).
+
     Raises:
       ValueError: on inconsistent shapes, out-of-range ids, lengths over capacity, a null page
-        inside a sequence, or a page used twice by one sequence.
+        inside a sequence, a page used twice by one sequence, or (quantized) mismatched
+        formats or a NaN / inf token in a readable slot.
 
     Example:
       >>> from paged import init_paged_cache
@@ -100,6 +106,15 @@ def validate(cache: PagedKVCache) -> None:
     """
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"validate: cache: expected a PagedKVCache, got {type(cache).__name__}")
+    quantized = is_quantized(cache.k_pages), is_quantized(cache.v_pages)
+    if any(quantized):
+        if not all(quantized) or cache.k_pages.format != cache.v_pages.format:
+            raise ValueError(
+                f"validate: v_pages: expected the kind of k_pages ({pool_kind(cache.k_pages)!r}),"
+                f" got {pool_kind(cache.v_pages)!r}"
+            )
+        check_quantized("validate", "k_pages", cache.k_pages, 5)
+        check_quantized("validate", "v_pages", cache.v_pages, 5)
     if cache.k_pages.ndim != 5 or cache.k_pages.shape != cache.v_pages.shape:
         raise ValueError(
             f"validate: v_pages: expected k_pages and v_pages to both be [L, K, P, C, H] "
@@ -116,6 +131,29 @@ def validate(cache: PagedKVCache) -> None:
         num_pages=cache.k_pages.shape[2],
         page_size=cache.k_pages.shape[3],
     )
+    if any(quantized):
+        _check_finite_tokens(cache)
+
+
+def _check_finite_tokens(cache: PagedKVCache) -> None:
+    """Every readable slot of a quantized cache has a finite scale (NaN / inf written)."""
+    table = np.asarray(cache.page_table)
+    lengths = np.asarray(cache.lengths)
+    C = cache.k_pages.shape[3]
+    for name, pool in (("k_pages", cache.k_pages), ("v_pages", cache.v_pages)):
+        scale = np.asarray(pool.scale)  # [L, K, P, C]
+        for b in range(table.shape[0]):
+            pos = np.arange(int(lengths[b]))
+            pages, offsets = table[b, pos // C], pos % C
+            bad = np.argwhere(~np.isfinite(scale[:, :, pages, offsets]))  # [L, K, n] hits
+            if bad.size:
+                layer, head, i = bad[0]
+                raise ValueError(
+                    f"validate: {name}: expected finite values in every readable slot, got a "
+                    f"NaN or inf token at layer {layer}, kv head {head}, sequence {b}, "
+                    f"position {i} (page {pages[i]}): a quantized pool stores it as a NaN "
+                    f"scale, which decodes to NaN"
+                )
 
 
 def from_zero_based_table(

@@ -366,3 +366,47 @@ def test_keys_outside_the_window_have_no_effect_even_when_nan(poisoned):
     dirty = fn(q, jnp.asarray(kp), jnp.asarray(vp), device_table, lengths, cold_table=cold_table)
     np.testing.assert_array_equal(np.asarray(dirty.out), np.asarray(clean.out))
     np.testing.assert_array_equal(np.asarray(dirty.lse), np.asarray(clean.lse))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_device_and_cold_pools(kind):
+    """Quantized pools pass through to paged.paged_attention: the result is that of the
+    decoded float pools (tight), cold pool of fewer pages included."""
+    fmt = paged.KVFormat(kind)
+    q, k, v, k_pages, v_pages, table, lengths = _setup(seed=3)
+    sel, _ = _policy_selection(0.3, q, k, lengths)
+    device_table, _ = split_residency(table, sel.keep, sel.demote)
+    demoted = np.asarray(sel.demote)
+    ids = np.asarray(table)[demoted]
+    compact = np.zeros(table.shape, np.int32)
+    compact[demoted] = np.arange(1, ids.size + 1)
+    kq, vq = paged.quantize_pages(k_pages, fmt), paged.quantize_pages(v_pages, fmt)
+    cold_k = paged.QuantizedPages(
+        jnp.pad(kq.data[:, ids], ((0, 0), (1, 0), (0, 0), (0, 0))),
+        jnp.pad(kq.scale[:, ids], ((0, 0), (1, 0), (0, 0))),
+        fmt,
+    )
+    cold_v = paged.QuantizedPages(
+        jnp.pad(vq.data[:, ids], ((0, 0), (1, 0), (0, 0), (0, 0))),
+        jnp.pad(vq.scale[:, ids], ((0, 0), (1, 0), (0, 0))),
+        fmt,
+    )
+    args = (device_table, lengths)
+    options = dict(cold_table=jnp.asarray(compact), window=9, return_page_mass=True)
+    run = jax.jit(functools.partial(mixed_residency_attention, window=9, return_page_mass=True))
+    got = run(q, kq, vq, *args, cold_table=jnp.asarray(compact), cold_k_pages=cold_k,
+              cold_v_pages=cold_v)  # fmt: skip
+    want = mixed_residency_attention(
+        q, kq.dequantize(), vq.dequantize(), *args, cold_k_pages=cold_k.dequantize(),
+        cold_v_pages=cold_v.dequantize(), **options,
+    )  # fmt: skip
+    assert np.asarray(sel.demote).any()
+    for name in ("out", "mass_kept", "page_mass"):
+        assert_close(getattr(got, name), getattr(want, name), dtype=jnp.float32, what=name)
+    with pytest.raises(ValueError, match="cold_k_pages: expected dtype quantized"):
+        mixed_residency_attention(
+            q, kq, vq, *args, cold_table=jnp.asarray(compact), cold_k_pages=cold_k.dequantize(),
+            cold_v_pages=cold_v.dequantize(),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="v_pages: expected k_pages' shape"):
+        mixed_residency_attention(q, kq, v_pages, *args)
