@@ -5,9 +5,8 @@ the same thing (the same training-step loss and gradient norm; the same greedy t
 tests run those checks on a tiny model so a broken benchmark path shows up in CI.
 """
 
-from flax import nnx
-
 import numpy as np
+from flax import nnx
 
 from benchmarks import bench_decode, bench_quality, bench_train
 from examples.longctx_lm.model import ModelConfig, Transformer
