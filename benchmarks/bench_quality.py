@@ -93,10 +93,11 @@ def passkey_prompts(length: int, depth: float, samples: int, seed: int):
     return tokens[:, :-m], tokens[:, -m:]
 
 
-def evaluate_rule(model, select, mode: str, prompts, answers, *, batch: int):
+def evaluate_rule(model, select, mode: str, prompts, answers, *, batch: int, kv_format=None):
     """Accuracy, mean attention mass kept and bytes moved per sample of one rule.
 
-    ``select`` is any ``PromptView -> keep [B, M]`` function (``generate.policy_select(p)``).
+    ``select`` is any ``PromptView -> keep [B, M]`` function (``generate.policy_select(p)``);
+    ``kv_format`` a ``paged.KVFormat`` for quantized pages (None: float32).
     """
     from examples.longctx_lm import generate
 
@@ -113,7 +114,7 @@ def evaluate_rule(model, select, mode: str, prompts, answers, *, batch: int):
     L = prompts.shape[1]
     server = generate.Server(
         model, num_pages=batch * (-(-(L + 64) // PAGE) + 4) + 8, page_size=PAGE,
-        max_len=L + 32, batch=batch, chunk=256,
+        max_len=L + 32, batch=batch, chunk=256, kv_format=kv_format,
     )  # fmt: skip
     retention = generate.Retention(observed, mode=mode, window=WINDOW)
     right, moved = 0, 0
@@ -179,11 +180,51 @@ def policy_table(results, budgets, depths, mode, cell):
     return rows
 
 
+FORMAT_CELLS = (("h2o", 1.0), ("h2o", 0.2), ("h2o", 0.5), ("snapkv", 0.2), ("snapkv", 0.5))
+
+
+def format_table(model, formats, results, depths, samples, length, batch):
+    """Accuracy per KV format (float32 from ``results``) at full budget and with two policies
+    at 20% / 50% (drop), over the same prompts."""
+    import paged
+
+    head = "| pages | full | " + " | ".join(f"{k} {100 * b:g}%" for k, b in FORMAT_CELLS[1:])
+    lines = [
+        "### KV formats: accuracy % (drop), mean over depths",
+        "",
+        head + " |",
+        "|---|" + "---|" * len(FORMAT_CELLS),
+    ]
+    rows = {}
+    for name in ["float32", *formats]:
+        fmt = None if name == "float32" else paged.KVFormat(name)
+        accs = []
+        for kind, budget in FORMAT_CELLS:
+            per_depth = []
+            for d_i, depth in enumerate(depths):
+                if fmt is None and (kind, budget, depth, "drop") in results:
+                    per_depth.append(results[kind, budget, depth, "drop"][0])
+                    continue
+                prompts, answers = passkey_prompts(length, depth, samples, seed=2024 + d_i)
+                select = make_rule(kind, budget)
+                per_depth.append(evaluate_rule(model, select, "drop", prompts, answers, batch=batch, kv_format=fmt)[0])  # fmt: skip
+            accs.append(np.mean(per_depth))
+        rows[name] = accs
+        print(name, accs, flush=True)
+    for name, accs in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{100 * a:.1f}" for a in accs) + " |")
+    return [*lines, "", "(full = every page kept; the same prompts as above.)"]
+
+
 def main(argv=None):
     parser = _common.make_parser(__doc__)
     parser.add_argument("--length", type=int, default=1024, help="prompt context in tokens")
     parser.add_argument("--samples", type=int, default=16, help="samples per cell")
     parser.add_argument("--checkpoint", default="examples/longctx_lm/checkpoint")
+    parser.add_argument(
+        "--formats", default="int8,fp8",
+        help="quantized KV formats to add (comma-separated paged.KVFormat kinds; '' for none)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     run = _common.start_run("bench_quality", args, cpu_devices=1, argv=argv)
     from examples.longctx_lm import train
@@ -253,6 +294,9 @@ def main(argv=None):
             lambda acc, mass, moved: f"{100 * acc:.0f} ({moved / 1024:.0f})",
         ),
     ]
+    formats = [f for f in args.formats.split(",") if f]
+    if formats:
+        lines += ["", *format_table(model, formats, results, depths, samples, args.length, batch)]
     png = run.out.with_suffix(".png")
     plot(png, results, budgets, depths)
     lines += ["", f"![accuracy vs budget]({png.name})", "", f"Total time: {elapsed:.0f} s."]

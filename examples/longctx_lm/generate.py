@@ -272,6 +272,8 @@ class Server:
       max_len: the longest prompt + generation a row can hold.
       batch: rows per call.
       chunk: prefill tokens per sequence per step.
+      kv_format: ``None`` (float32 pages) or a ``paged.KVFormat`` (int8 / fp8 pages with
+        per-token scales: written quantized, read dequantized block by block).
     """
 
     model: Transformer
@@ -280,6 +282,7 @@ class Server:
     max_len: int = 4096
     batch: int = 4
     chunk: int = 256
+    kv_format: paged.KVFormat | None = None
 
     def __post_init__(self):
         cfg = self.model.cfg
@@ -290,7 +293,7 @@ class Server:
         )
         self.cache = paged.init_paged_cache(
             cfg.num_layers, cfg.num_kv_heads, self.num_pages, self.page_size, cfg.head_dim,
-            batch=self.batch, max_pages_per_seq=self.max_pages,
+            batch=self.batch, max_pages_per_seq=self.max_pages, kv_format=self.kv_format,
         )  # fmt: skip
         self.graphdef, self.state = nnx.split(self.model)
         self._ids = 0
@@ -374,10 +377,7 @@ class Server:
         absent, cold, info = self._retain(cache, retention, prompt_mass, window_mass, last)
         if retention is not None and retention.scrub and info.moved_bytes:
             ids = jnp.asarray(np.asarray(cache.page_table)[absent])
-            cache = cache._replace(
-                k_pages=cache.k_pages.at[:, :, ids].set(jnp.nan),
-                v_pages=cache.v_pages.at[:, :, ids].set(jnp.nan),
-            )
+            cache = cache._replace(k_pages=_scrub(cache.k_pages, ids), v_pages=_scrub(cache.v_pages, ids))  # fmt: skip
         self.last_info = info
         # Pages for the generated tokens come from an on-device stack (no host round trips).
         need = sum(-(-(e + max_new_tokens) // C) - -(-e // C) + 1 for e in ends)
@@ -425,14 +425,28 @@ class Server:
         out = self.offload.page_out(cache.k_pages, cache.v_pages, ids, request_id=rid)
         self.offload.wait(out)
         n_cold = 16 * -(-(ids.size + 1) // 16)  # bucketed: fewer decode compiles
-        shape = (*cache.k_pages.shape[:2], n_cold, *cache.k_pages.shape[3:])
-        cold_k = jnp.zeros(shape, cache.k_pages.dtype)
-        back = self.offload.page_in(cold_k, jnp.zeros_like(cold_k), np.arange(1, ids.size + 1), request_id=rid)  # fmt: skip
+        cold_k, cold_v = (_empty_pool(cache.k_pages, n_cold) for _ in range(2))
+        back = self.offload.page_in(cold_k, cold_v, np.arange(1, ids.size + 1), request_id=rid)
         cold_k, cold_v = self.offload.wait(back)
         cold_table = np.zeros_like(table)
         cold_table[absent] = np.arange(1, ids.size + 1)
         info = info._replace(moved_bytes=int(out.nbytes + back.nbytes))
         return absent, (jnp.asarray(cold_table), cold_k, cold_v), info
+
+
+def _empty_pool(pool, num_pages: int):
+    """A zero pool like ``pool`` (float or ``paged.QuantizedPages``) with ``num_pages`` pages."""
+    shape = (*pool.shape[:2], num_pages, *pool.shape[3:])
+    if isinstance(pool, paged.QuantizedPages):
+        return paged.quantize_pages(jnp.zeros(shape, jnp.float32), pool.format)
+    return jnp.zeros(shape, pool.dtype)
+
+
+def _scrub(pool, ids):
+    """``pool`` with pages ``ids`` overwritten by NaN (a quantized pool: its scales)."""
+    if isinstance(pool, paged.QuantizedPages):
+        return dataclasses.replace(pool, scale=pool.scale.at[:, :, ids].set(jnp.nan))
+    return pool.at[:, :, ids].set(jnp.nan)
 
 
 def generate_dense(model: Transformer, prompt: Sequence[int], max_new_tokens: int, attend):

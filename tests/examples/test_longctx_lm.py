@@ -312,3 +312,31 @@ def test_retention_rejects_bad_options():
         server.generate(
             prompts, 2, retention=generate.Retention(lambda view: np.ones((1, 2), bool))
         )
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind):
+    """Pages in a paged.KVFormat: greedy output equals dense recomputation whose K/V pass
+    through the same per-token quantization (quantize -> dequantize) at every layer."""
+    import paged
+    import ringattn
+    from examples.longctx_lm import generate
+
+    fmt = paged.KVFormat(kind)
+    model = tiny_model(6)
+    server = generate.Server(model, num_pages=64, page_size=4, max_len=64, batch=2, chunk=8, kv_format=fmt)  # fmt: skip
+    assert isinstance(server.cache.k_pages, paged.QuantizedPages)
+    batch = data.make_batch(data.TaskConfig("passkey", length=40), 2, seed=3)
+    prompts = [list(batch.tokens[0][:30]), list(batch.tokens[1][:23])]
+
+    def quantized(x):  # [B, T, K, H] -> the values the pages hold
+        pages = paged.quantize_pages(jnp.swapaxes(x, 1, 2), fmt)
+        return jnp.swapaxes(pages.dequantize(), 1, 2)
+
+    def attend(q, k, v, positions):
+        pos = ringattn.Positions(positions, positions)
+        return ringattn.attention_reference(q, quantized(k), quantized(v), causal=True, positions=pos).out  # fmt: skip
+
+    got = server.generate(prompts, 6)
+    for p, g in zip(prompts, got, strict=True):
+        np.testing.assert_array_equal(g, generate.generate_dense(model, p, 6, attend))
