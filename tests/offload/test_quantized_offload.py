@@ -63,9 +63,19 @@ def _model(like, slots, source, ids):
     return paged.QuantizedPages(*out, like.format)
 
 
-@pytest.mark.parametrize(("name", "axis_type"), CASES)
-def test_quantized_round_trip_every_layout(name, axis_type):
-    k, v = _qpools(name, axis_type=axis_type)
+FP8_CASES = [
+    pytest.param("fp8", "stacked-heads-pages", AxisType.Auto, id="fp8-stacked-heads-pages"),
+    pytest.param("fp8", "layer-pages", AxisType.Explicit, id="fp8-layer-pages-Explicit"),
+    pytest.param("fp8", "stacked-single", AxisType.Auto, id="fp8-stacked-single"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "axis_type"),
+    [pytest.param("int8", *c.values, id=f"int8-{c.id}") for c in CASES] + FP8_CASES,
+)
+def test_quantized_round_trip_every_layout(kind, name, axis_type):
+    k, v = _qpools(name, kind, axis_type=axis_type)
     host = make_host_page_pool(k, v, SLOTS)
     assert isinstance(host.k_pages, paged.QuantizedPages) and host.k_pages.format == k.format
     for leaf in (host.k_pages.data, host.k_pages.scale, host.v_pages.data, host.v_pages.scale):
