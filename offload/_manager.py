@@ -57,9 +57,13 @@ class OffloadManager:
     of its own device (per-device slots), also when :meth:`restore` brings it back from disk
     (the entry records each page's device block); :meth:`prefetch` of such a pool needs the
     request's pages ``n / D`` per device block in block order (as
-    :func:`~offload.prefetch_layer`). On disk a request
-    is one :class:`~offload.DiskStore` entry keyed by its request id. Device bytes belong to the caller's page allocator: register them with
-    ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or frees pages.
+    :func:`~offload.prefetch_layer`). On disk a request is one :class:`~offload.DiskStore`
+    entry keyed by its request id (``k``, ``v``; for a quantized host pool ``k``,
+    ``k_scale``, ``v``, ``v_scale`` and ``format``, the format's name as ASCII bytes).
+    Quantized pools move as stored, data and scales together, and every byte count (stats,
+    handles) includes the scales. Device bytes belong to the caller's page allocator:
+    register them with ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or
+    frees pages.
 
     Args:
       host_pool: the :class:`~offload.HostPagePool` to manage (owned from now on; read the
@@ -257,7 +261,8 @@ class OffloadManager:
           request_id: the owning request.
 
         Returns:
-          A handle whose value is ``(k, v)``, each ``[K, n, C, H]`` on device.
+          A handle whose value is ``(k, v)``, each ``[K, n, C, H]`` on device
+          (``paged.QuantizedPages``, data and scales, for a quantized host pool).
 
         Raises:
           ValueError: if the request has no host pages, or on anything
