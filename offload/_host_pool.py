@@ -6,6 +6,12 @@ split over a mesh axis stay split, and a pool split along its page axis (the lay
 ``paged.sharded_paged_attention``, ``[K, D * P_d, C, H]``) gives a host pool split the same
 way, ``D * S_d`` slots with ``S_d`` slots per device (*per-device slots*: a page moves only
 between a device's own device pages and its own host slots, never across devices).
+
+A quantized device pool (``paged.QuantizedPages``) gets a quantized host pool: its ``data``
+and ``scale`` leaves both live in pinned host memory, each with the sharding of the device
+leaf it mirrors, and every transfer moves both leaves of the same pages together, as stored
+(no dequantization). Both leaves have their page axis at index ``pool.ndim - 3`` (``ndim``
+being the float pool's rank), so the copy kernels treat each leaf as a pool of its own.
 """
 
 import functools
@@ -27,12 +33,14 @@ class HostPagePool(NamedTuple):
     """K and V pages in pinned host memory, with the sharding of the device pool they mirror.
 
     Attributes:
-      k_pages: ``[L, K, P_host, C, H]`` (or ``[K, P_host, C, H]``) keys, ``pinned_host``.
-      v_pages: same shape, dtype and sharding as ``k_pages``.
+      k_pages: ``[L, K, P_host, C, H]`` (or ``[K, P_host, C, H]``) keys, ``pinned_host``; a
+        ``paged.QuantizedPages`` (data and scales both pinned host) mirroring a quantized
+        device pool.
+      v_pages: same shape, dtype, format and sharding as ``k_pages``.
     """
 
-    k_pages: Shaped[Array, "*L K P C H"]
-    v_pages: Shaped[Array, "*L K P C H"]
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages
 
     @property
     def num_slots(self) -> int:
@@ -41,7 +49,7 @@ class HostPagePool(NamedTuple):
 
     @property
     def page_nbytes(self) -> int:
-        """Bytes of one page slot, keys and values over all layers."""
+        """Bytes of one page slot, keys and values over all layers (data and scales if quantized)."""
         return 2 * self.k_pages.nbytes // self.num_slots
 
     @property
@@ -50,38 +58,118 @@ class HostPagePool(NamedTuple):
         return page_shards(self.k_pages)
 
 
-def page_shards(x: jax.Array) -> int:
-    """How many blocks the page axis (``ndim - 3``) of a pool is split into by its sharding."""
-    axis = x.ndim - 3
+def leaves(pool) -> list:
+    """The arrays of a pool: ``[data, scale]`` for ``paged.QuantizedPages``, else ``[pool]``."""
+    return [pool.data, pool.scale] if isinstance(pool, QuantizedPages) else [pool]
+
+
+def rebuild(like, arrays):
+    """A pool of ``like``'s kind (float or quantized, same format) from its leaf arrays."""
+    if isinstance(like, QuantizedPages):
+        data, scale = arrays
+        return QuantizedPages(data, scale, like.format)
+    (array,) = arrays
+    return array
+
+
+def main_leaf(pool) -> jax.Array:
+    """The array that carries a pool's shape and sharding (``data`` of a quantized pool)."""
+    return pool.data if isinstance(pool, QuantizedPages) else pool
+
+
+def describe_pool(x) -> str:
+    """``"float pool float32 (2, 4, 8, 16)"`` or ``"quantized int8 pool (...)"`` for messages."""
+    if isinstance(x, QuantizedPages):
+        return f"quantized {x.format.kind} pool {tuple(x.shape)}"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"float pool {x.dtype} {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def page_shards(x, axis: int | None = None) -> int:
+    """How many blocks the page axis (``ndim - 3``) of a pool is split into by its sharding.
+
+    A quantized pool answers for its ``data``; ``axis`` overrides the page axis of a leaf.
+    """
+    x = main_leaf(x)
+    axis = x.ndim - 3 if axis is None else axis
     return x.shape[axis] // x.sharding.shard_shape(x.shape)[axis]
 
 
-def check_pool(fn: str, name: str, k, v) -> None:
-    """``k`` and ``v`` are pools ``[K, P, C, H]`` or ``[L, K, P, C, H]`` of one shape/sharding."""
-    if isinstance(k, QuantizedPages) or isinstance(v, QuantizedPages):
-        raise NotImplementedError(
-            f"{fn}: {name}: quantized pools (paged.QuantizedPages) cannot be moved to the host "
-            "tiers yet; keep quantized caches on the device, or offload float pools"
-        )
+def _check_arrays(fn: str, name: str, k, v, ranks: tuple[int, int], what: str) -> None:
     for part, x in (("k", k), ("v", v)):
         if not isinstance(x, jax.Array):
             raise ValueError(
-                f"{fn}: {name}: expected {part} to be a jax.Array, got {type(x).__name__}"
+                f"{fn}: {name}: expected {part}{what} to be a jax.Array, got {type(x).__name__}"
             )
-        if x.ndim not in (4, 5):
+        if x.ndim not in ranks:
+            layouts = (
+                "4 [K, P, C, H] or 5 [L, K, P, C, H]" if ranks == (4, 5) else "3 or 4 [*L, K, P, C]"
+            )
             raise ValueError(
-                f"{fn}: {name}: expected {part} of rank 4 [K, P, C, H] or 5 [L, K, P, C, H], "
-                f"got shape {x.shape}"
+                f"{fn}: {name}: expected {part}{what} of rank {layouts}, got shape {x.shape}"
             )
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(
-            f"{fn}: {name}: expected k and v of one shape and dtype, got {k.shape} {k.dtype} "
-            f"and {v.shape} {v.dtype}"
+            f"{fn}: {name}: expected k{what} and v{what} of one shape and dtype, got {k.shape} "
+            f"{k.dtype} and {v.shape} {v.dtype}"
         )
     if not k.sharding.is_equivalent_to(v.sharding, k.ndim):
         raise ValueError(
-            f"{fn}: {name}: expected k and v with one sharding, got {k.sharding} and {v.sharding}"
+            f"{fn}: {name}: expected k{what} and v{what} with one sharding, got {k.sharding} and "
+            f"{v.sharding}"
         )
+
+
+def _check_quantized(fn: str, name: str, k, v) -> None:
+    if k.format != v.format:
+        raise ValueError(
+            f"{fn}: {name}: expected k and v in one format, got {k.format.kind!r} and "
+            f"{v.format.kind!r}"
+        )
+    _check_arrays(fn, name, k.data, v.data, (4, 5), ".data")
+    _check_arrays(fn, name, k.scale, v.scale, (3, 4), ".scale")
+    data, scale = k.data, k.scale
+    if data.dtype != k.format.storage_dtype or scale.dtype != jnp.float32:
+        raise ValueError(
+            f"{fn}: {name}: expected data in {k.format.storage_dtype} and float32 scales for "
+            f"format {k.format.kind!r}, got {data.dtype} and {scale.dtype}"
+        )
+    if scale.shape != data.shape[:-1]:
+        raise ValueError(
+            f"{fn}: {name}: expected scales shaped {data.shape[:-1]} (data without H), got "
+            f"{scale.shape}"
+        )
+    axis = data.ndim - 3
+    if (
+        scale.sharding.memory_kind != data.sharding.memory_kind
+        or page_shards(scale, axis) != page_shards(data, axis)
+        or scale.sharding.shard_shape(scale.shape) != data.sharding.shard_shape(data.shape)[:-1]
+    ):
+        raise ValueError(
+            f"{fn}: {name}: expected scales sharded like the data over [*L, K, P, C] (same "
+            f"memory kind, same page split), got {scale.sharding} and {data.sharding}"
+        )
+
+
+def check_pool(fn: str, name: str, k, v) -> None:
+    """``k`` and ``v`` are pools ``[K, P, C, H]`` or ``[L, K, P, C, H]`` of one shape/sharding.
+
+    Both float arrays, or both ``paged.QuantizedPages`` of one format (data and scales
+    checked alike).
+    """
+    quantized = (isinstance(k, QuantizedPages), isinstance(v, QuantizedPages))
+    if quantized[0] != quantized[1]:
+        raise ValueError(
+            f"{fn}: {name}: expected k and v both float or both quantized (paged.QuantizedPages), "
+            f"got {describe_pool(k)} and {describe_pool(v)}"
+        )
+    if quantized[0]:
+        _check_quantized(fn, name, k, v)
+        if 0 in k.data.shape:
+            raise ValueError(f"{fn}: {name}: expected no zero-sized axis, got shape {k.shape}")
+        return
+    _check_arrays(fn, name, k, v, (4, 5), "")
     if 0 in k.shape:
         raise ValueError(f"{fn}: {name}: expected no zero-sized axis, got shape {k.shape}")
 
@@ -91,7 +179,8 @@ def check_host(fn: str, pool) -> None:
     if not isinstance(pool, HostPagePool):
         raise ValueError(f"{fn}: host_pool: expected a HostPagePool, got {type(pool).__name__}")
     check_pool(fn, "host_pool", pool.k_pages, pool.v_pages)
-    kind = pool.k_pages.sharding.memory_kind
+    kinds = {leaf.sharding.memory_kind for leaf in leaves(pool.k_pages)}
+    kind = kinds.pop() if len(kinds) == 1 else sorted(kinds)
     if kind != PINNED_HOST:
         raise ValueError(
             f"{fn}: host_pool: expected arrays in {PINNED_HOST!r} memory, got {kind!r} "
@@ -102,7 +191,7 @@ def check_host(fn: str, pool) -> None:
 def check_device(fn: str, k, v) -> None:
     """``k`` and ``v`` are a device (not host) pool."""
     check_pool(fn, "k_pages/v_pages", k, v)
-    kind = k.sharding.memory_kind
+    kind = main_leaf(k).sharding.memory_kind
     if kind in HOST_MEMORY_KINDS:
         raise ValueError(f"{fn}: k_pages: expected arrays in device memory, got {kind!r}")
 
@@ -110,6 +199,16 @@ def check_device(fn: str, k, v) -> None:
 def check_match(fn: str, host: HostPagePool, k) -> None:
     """The host pool mirrors device pool ``k`` (any page count; per-device slots if split)."""
     hk = host.k_pages
+    if isinstance(hk, QuantizedPages) != isinstance(k, QuantizedPages):
+        raise ValueError(
+            f"{fn}: host_pool: expected a host pool of k_pages' kind ({describe_pool(k)}; float "
+            f"and quantized pools do not mix: build the host pool with make_host_page_pool from "
+            f"the device pool), got {describe_pool(hk)}"
+        )
+    if isinstance(hk, QuantizedPages) and hk.format != k.format:
+        raise ValueError(
+            f"{fn}: host_pool: expected format {k.format.kind!r} (k_pages'), got {hk.format.kind!r}"
+        )
     same_rest = hk.shape[:-3] == k.shape[:-3] and hk.shape[-2:] == k.shape[-2:]
     if hk.ndim != k.ndim or not same_rest or hk.dtype != k.dtype:
         raise ValueError(
@@ -117,12 +216,13 @@ def check_match(fn: str, host: HostPagePool, k) -> None:
             f"(any page count), got {hk.shape} {hk.dtype}"
         )
     if page_shards(hk) > 1 or page_shards(k) > 1:
-        mirrored = hk.sharding.with_memory_kind(k.sharding.memory_kind)
-        if page_shards(hk) != page_shards(k) or not mirrored.is_equivalent_to(k.sharding, k.ndim):
+        hs, ks = main_leaf(hk).sharding, main_leaf(k).sharding
+        mirrored = hs.with_memory_kind(ks.memory_kind)
+        if page_shards(hk) != page_shards(k) or not mirrored.is_equivalent_to(ks, k.ndim):
             raise ValueError(
-                f"{fn}: host_pool: expected the sharding of k_pages {k.sharding} (a pool split "
+                f"{fn}: host_pool: expected the sharding of k_pages {ks} (a pool split "
                 f"along its page axis needs a host pool split the same way: build it with "
-                f"make_host_page_pool), got {hk.sharding}"
+                f"make_host_page_pool), got {hs}"
             )
 
 
@@ -164,6 +264,20 @@ def zeros_fn(shape, dtype, sharding):
     )
 
 
+def zeros_pools(like, num_slots: int, memory_kind: str):
+    """A zero ``(k, v)`` pair shaped like pool ``like`` with ``num_slots`` pages, each leaf with
+    its own sharding in ``memory_kind`` (created there directly)."""
+    axis = like.ndim - 3
+    ks, vs = [], []
+    for leaf in leaves(like):
+        shape = (*leaf.shape[:axis], num_slots, *leaf.shape[axis + 1 :])
+        sharding = as_named(leaf.sharding).with_memory_kind(memory_kind)
+        k, v = zeros_fn(shape, jnp.dtype(leaf.dtype), sharding)()
+        ks.append(k)
+        vs.append(v)
+    return rebuild(like, ks), rebuild(like, vs)
+
+
 def make_host_page_pool(
     k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
     v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
@@ -177,21 +291,23 @@ def make_host_page_pool(
     slots, see :func:`~offload.page_out`). Not jittable (it allocates host memory).
 
     Args:
-      k_pages: device keys ``[L, K, P, C, H]`` or ``[K, P, C, H]``; only its shape (apart
-        from ``P``), dtype and sharding are used.
+      k_pages: device keys ``[L, K, P, C, H]`` or ``[K, P, C, H]``, float or a
+        ``paged.QuantizedPages``; only its shape (apart from ``P``), dtype (format) and
+        sharding are used.
       v_pages: device values, same shape, dtype and sharding as ``k_pages``.
       num_slots: ``P_host >= 1`` (an int or numpy integer), the page capacity of the host
         pool; a multiple of ``D`` for a pool split along its page axis.
 
     Returns:
-      A :class:`HostPagePool` with arrays ``[L, K, P_host, C, H]`` in pinned host memory.
+      A :class:`HostPagePool` with arrays ``[L, K, P_host, C, H]`` in pinned host memory; for
+      a quantized pool, ``QuantizedPages`` of the same format whose data ``[L, K, P_host, C,
+      H]`` and scales ``[L, K, P_host, C]`` are both pinned host (``page_nbytes`` counts
+      both).
 
     Raises:
       ValueError: on mismatched or non-device pools, a zero-sized axis, a ``num_slots`` that
         is not a positive int (or not a multiple of ``D``), or devices without pinned host
-        memory.
-      NotImplementedError: for quantized pools (``paged.QuantizedPages``): not moved to
-        the host tiers yet.
+        memory; on k and v of different kinds (float and quantized) or formats.
 
     Example:
       >>> k = jnp.zeros((2, 4, 8, 16, 32))
@@ -208,12 +324,10 @@ def make_host_page_pool(
             f"{fn}: num_slots: expected a multiple of {shards} (k_pages' page axis is split over "
             f"{shards} devices, each gets its own slots), got {num_slots}"
         )
-    kind = host_memory_kind(k_pages.sharding.device_set)
+    kind = host_memory_kind(main_leaf(k_pages).sharding.device_set)
     if kind != PINNED_HOST:
         raise ValueError(
             f"{fn}: k_pages: expected devices with {PINNED_HOST!r} memory for an "
             f"in-place host pool, got only {kind!r}"
         )
-    shape = (*k_pages.shape[:-3], num_slots, *k_pages.shape[-2:])
-    sharding = as_named(k_pages.sharding).with_memory_kind(PINNED_HOST)
-    return HostPagePool(*zeros_fn(shape, jnp.dtype(k_pages.dtype), sharding)())
+    return HostPagePool(*zeros_pools(k_pages, num_slots, PINNED_HOST))

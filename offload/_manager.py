@@ -15,14 +15,36 @@ import numpy as np
 from jaxtyping import Array, Shaped
 
 from offload._checks import IdList, check_ids
-from offload._disk import DiskStore
-from offload._host_pool import HostPagePool, check_host, page_shards, zeros_fn
+from offload._disk import CorruptCacheError, DiskStore
+from offload._host_pool import HostPagePool, check_host, leaves, page_shards, rebuild, zeros_pools
 from offload._page_copy import copy_pages, gather_pages, scatter_pages
 from offload._stats import OffloadStats
 from offload._tiers import PINNED_HOST, TransferHandle, ready, wait
 from offload._transfers import page_in, page_out, prefetch_layer
+from paged import KVFormat, QuantizedPages
 
 __all__ = ["OffloadManager"]
+
+# Disk entry arrays, in the leaf order of (k_pages, v_pages).
+_FLOAT_NAMES = ("k", "v")
+_QUANTIZED_NAMES = ("k", "k_scale", "v", "v_scale")
+
+
+def _entry_names(pool) -> tuple[str, ...]:
+    return _QUANTIZED_NAMES if isinstance(pool, QuantizedPages) else _FLOAT_NAMES
+
+
+def _format_array(kv_format: KVFormat) -> np.ndarray:
+    """The format's kind as uint8 ASCII bytes (a disk entry holds arrays only)."""
+    return np.frombuffer(kv_format.kind.encode("ascii"), np.uint8).copy()
+
+
+def _format_kind(array) -> str | None:
+    if array is None:
+        return None
+    if array.dtype != np.uint8 or array.ndim != 1:
+        return repr((array.shape, array.dtype))
+    return array.tobytes().decode("ascii", errors="replace")
 
 
 class OffloadManager:
@@ -35,9 +57,13 @@ class OffloadManager:
     of its own device (per-device slots), also when :meth:`restore` brings it back from disk
     (the entry records each page's device block); :meth:`prefetch` of such a pool needs the
     request's pages ``n / D`` per device block in block order (as
-    :func:`~offload.prefetch_layer`). On disk a request
-    is one :class:`~offload.DiskStore` entry keyed by its request id. Device bytes belong to the caller's page allocator: register them with
-    ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or frees pages.
+    :func:`~offload.prefetch_layer`). On disk a request is one :class:`~offload.DiskStore`
+    entry keyed by its request id (``k``, ``v``; for a quantized host pool ``k``,
+    ``k_scale``, ``v``, ``v_scale`` and ``format``, the format's name as ASCII bytes).
+    Quantized pools move as stored, data and scales together, and every byte count (stats,
+    handles) includes the scales. Device bytes belong to the caller's page allocator:
+    register them with ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or
+    frees pages.
 
     Args:
       host_pool: the :class:`~offload.HostPagePool` to manage (owned from now on; read the
@@ -158,8 +184,8 @@ class OffloadManager:
     # -- device <-> host -----------------------------------------------------------------------
     def page_out(
         self,
-        k_pages: Shaped[Array, "*L K P C H"],
-        v_pages: Shaped[Array, "*L K P C H"],
+        k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+        v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
         page_ids: IdList,
         *,
         request_id: str,
@@ -170,7 +196,8 @@ class OffloadManager:
         device pages in its own allocator afterwards.
 
         Args:
-          k_pages: device keys ``[L, K, P, C, H]``.
+          k_pages: device keys ``[L, K, P, C, H]`` (a ``paged.QuantizedPages`` with a
+            quantized host pool: data and scales move together).
           v_pages: device values, same shape.
           page_ids: ``[n]`` device page ids.
           request_id: the owning request.
@@ -195,8 +222,8 @@ class OffloadManager:
 
     def page_in(
         self,
-        k_pages: Shaped[Array, "*L K P C H"],
-        v_pages: Shaped[Array, "*L K P C H"],
+        k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+        v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
         page_ids: IdList,
         *,
         request_id: str,
@@ -234,7 +261,8 @@ class OffloadManager:
           request_id: the owning request.
 
         Returns:
-          A handle whose value is ``(k, v)``, each ``[K, n, C, H]`` on device.
+          A handle whose value is ``(k, v)``, each ``[K, n, C, H]`` on device
+          (``paged.QuantizedPages``, data and scales, for a quantized host pool).
 
         Raises:
           ValueError: if the request has no host pages, or on anything
@@ -310,22 +338,26 @@ class OffloadManager:
             )
         start = time.perf_counter()
         pool = self._host_pool
+        names = _entry_names(pool.k_pages)
+        axis = pool.k_pages.ndim - 3
+        ids = np.asarray(slots, np.int32)
+        entry = {}
+        if isinstance(pool.k_pages, QuantizedPages):
+            entry["format"] = _format_array(pool.k_pages.format)
         shards = page_shards(pool.k_pages)
         if shards > 1:  # read shard by shard; remember each page's device block
-            ids = np.asarray(slots, np.int32)
-            k, v = gather_pages(pool.k_pages, ids), gather_pages(pool.v_pages, ids)
-            block = (ids // (pool.num_slots // shards)).astype(np.int32)
-            nbytes = store.put(request_id, {"k": k, "v": v, "block": block})
+            flat = leaves(pool.k_pages) + leaves(pool.v_pages)
+            arrays = [gather_pages(leaf, ids, axis) for leaf in flat]
+            entry["block"] = (ids // (pool.num_slots // shards)).astype(np.int32)
         else:
-            shape = (*pool.k_pages.shape[:-3], len(slots), *pool.k_pages.shape[-2:])
-            zeros = zeros_fn(shape, pool.k_pages.dtype, pool.k_pages.sharding)
             k, v, _ = copy_pages(
                 (pool.k_pages, pool.v_pages),
-                zeros(),
-                np.asarray(slots, np.int32),
+                zeros_pools(pool.k_pages, len(slots), PINNED_HOST),
+                ids,
                 np.arange(len(slots), dtype=np.int32),
             )
-            nbytes = store.put(request_id, {"k": np.asarray(k), "v": np.asarray(v)})
+            arrays = [np.asarray(a) for a in leaves(k) + leaves(v)]
+        nbytes = store.put(request_id, {**dict(zip(names, arrays, strict=True)), **entry})
         self.stats.record_transfer(
             "host_to_disk", nbytes, time.perf_counter() - start, request_id=request_id
         )
@@ -346,27 +378,17 @@ class OffloadManager:
         Raises:
           ValueError: without a disk store, if the entry is missing, shaped unlike the host
             pool, or needs more host slots than are free.
-          CorruptCacheError: if a file is missing, truncated or corrupted (names the path).
+          CorruptCacheError: if a file is missing, truncated or corrupted (names the path), or
+            the entry's kind does not match the host pool: float pages into a quantized pool
+            or the reverse, another format, or scales shaped unlike the data.
         """
         fn = "OffloadManager.restore"
         store = self._require_disk(fn)
         start = time.perf_counter()
         arrays = store.get(request_id)  # verified; raises before anything changes
         pool = self._host_pool
-        k, v = arrays.get("k"), arrays.get("v")
-        want = (*pool.k_pages.shape[:-3], pool.k_pages.shape[-2:])
-        for name, x in (("k", k), ("v", v)):
-            if (
-                x is None
-                or x.ndim != pool.k_pages.ndim
-                or (*x.shape[:-3], x.shape[-2:]) != want
-                or x.dtype != pool.k_pages.dtype
-            ):
-                raise ValueError(
-                    f"{fn}: request_id: expected disk entry {request_id!r} array {name!r} shaped "
-                    f"like the host pool {pool.k_pages.shape} {pool.k_pages.dtype}, got "
-                    f"{None if x is None else (x.shape, x.dtype)}"
-                )
+        parts = self._check_entry(fn, request_id, arrays, pool.k_pages)
+        k = parts[0]
         n = k.shape[-3]
         shards = page_shards(pool.k_pages)
         if shards > 1:
@@ -384,7 +406,7 @@ class OffloadManager:
                 fn, block.astype(np.int64) * per_slot, pool.num_slots, "request_id"
             )
             new_k, new_v = scatter_pages(
-                (pool.k_pages, pool.v_pages), (k, v), np.asarray(slots, np.int32)
+                (pool.k_pages, pool.v_pages), parts, np.asarray(slots, np.int32)
             )
         else:
             if n > len(self._free):
@@ -392,11 +414,13 @@ class OffloadManager:
                     f"{fn}: request_id: expected at most {len(self._free)} pages (free host "
                     f"slots), got {n}"
                 )
-            sharding = pool.k_pages.sharding.with_memory_kind(PINNED_HOST)
-            staged = jax.device_put((k, v), (sharding, sharding))
+            flat = leaves(pool.k_pages) + leaves(pool.v_pages)
+            shardings = [leaf.sharding.with_memory_kind(PINNED_HOST) for leaf in flat]
+            staged = jax.device_put(parts, shardings)
+            half = len(staged) // 2
             slots = self._free[:n]
             new_k, new_v, _ = copy_pages(
-                staged,
+                (rebuild(pool.k_pages, staged[:half]), rebuild(pool.v_pages, staged[half:])),
                 (pool.k_pages, pool.v_pages),
                 np.arange(n, dtype=np.int32),
                 np.asarray(slots),
@@ -406,7 +430,7 @@ class OffloadManager:
         taken = set(slots)
         self._free = [s for s in self._free if s not in taken]
         self._slots.setdefault(request_id, []).extend(slots)
-        nbytes = k.nbytes + v.nbytes
+        nbytes = sum(x.nbytes for x in parts)
         self.stats.record_transfer(
             "disk_to_host", nbytes, time.perf_counter() - start, request_id=request_id
         )
@@ -414,3 +438,45 @@ class OffloadManager:
         store.delete(request_id)
         self._sync_disk_bytes()
         return nbytes
+
+    @staticmethod
+    def _check_entry(fn: str, request_id: str, arrays: dict, like) -> list[np.ndarray]:
+        """The entry's page arrays in leaf order, checked against host pool ``k_pages`` ``like``."""
+        stored = _format_kind(arrays.get("format"))
+        want_kind = like.format.kind if isinstance(like, QuantizedPages) else None
+        if stored != want_kind or (want_kind is None and "k_scale" in arrays):
+
+            def kind(x):
+                return "float pages" if x is None else f"quantized {x!r} pages"
+
+            raise CorruptCacheError(
+                f"{fn}: request_id: expected disk entry {request_id!r} to hold {kind(want_kind)} "
+                f"like the host pool, got {kind(stored)}"
+            )
+        data = like.data if isinstance(like, QuantizedPages) else like
+        want = (*data.shape[:-3], data.shape[-2:])
+        parts = []
+        for name in _entry_names(like):
+            x = arrays.get(name)
+            if name.endswith("_scale"):
+                values = parts[-1]
+                if x is None or x.shape != values.shape[:-1] or x.dtype != np.float32:
+                    raise CorruptCacheError(
+                        f"{fn}: request_id: expected disk entry {request_id!r} array {name!r} "
+                        f"float32 {values.shape[:-1]} (the scales of its data), got "
+                        f"{None if x is None else (x.shape, x.dtype)}"
+                    )
+            elif (
+                x is None
+                or x.ndim != data.ndim
+                or (*x.shape[:-3], x.shape[-2:]) != want
+                or x.dtype != data.dtype
+                or (parts and x.shape != parts[0].shape)
+            ):
+                raise ValueError(
+                    f"{fn}: request_id: expected disk entry {request_id!r} array {name!r} shaped "
+                    f"like the host pool {data.shape} {data.dtype}, got "
+                    f"{None if x is None else (x.shape, x.dtype)}"
+                )
+            parts.append(x)
+        return parts

@@ -16,6 +16,10 @@ so each kernel compiles at most ``log2(P)`` times per pool shape.
 Pools split along the page axis are copied shard by shard: each device runs the kernel on its
 own shards (local page ids, local slots) and the global arrays are reassembled from the new
 shards, so nothing crosses devices.
+
+Quantized pools (``paged.QuantizedPages``) are copied leaf by leaf: the kernel runs on the
+``data`` and on the ``scale`` leaf with the same ids (both have their page axis at the pool's
+``ndim - 3``), each leaf in place in its own donated buffer, and the pool is rebuilt.
 """
 
 import functools
@@ -25,7 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from offload._host_pool import as_named, device_kind, page_shards, replicated
+from offload._host_pool import (
+    as_named,
+    device_kind,
+    leaves,
+    page_shards,
+    rebuild,
+    replicated,
+)
 from offload._tiers import PINNED_HOST
 
 __all__ = ["chunks", "check_same_shards", "copy_pages", "prefetch_fn"]
@@ -56,16 +67,16 @@ def _async_marker(ids):
     return (ids.astype(jnp.float32)[:, None] * weights).sum()
 
 
-def _slice_page(pool, index):
-    return lax.dynamic_slice_in_dim(pool, index, 1, axis=pool.ndim - 3)  # [*L, K, 1, C, H]
+def _slice_page(pool, index, axis):
+    return lax.dynamic_slice_in_dim(pool, index, 1, axis=axis)  # [*L, K, 1, C, H]
 
 
-def _write_page(pool, page, index):
-    return lax.dynamic_update_slice_in_dim(pool, page, index, axis=pool.ndim - 3)
+def _write_page(pool, page, index, axis):
+    return lax.dynamic_update_slice_in_dim(pool, page, index, axis=axis)
 
 
 @functools.lru_cache(maxsize=256)
-def _copy_pages_fn(source_sharding, target_sharding):
+def _copy_pages_fn(source_sharding, target_sharding, axis: int | None = None):
     """``target[..., dst[i], :, :] = source[..., src[i], :, :]`` across memory kinds.
 
     One ``dynamic_update_slice`` per page into the donated target, so XLA writes in place:
@@ -77,12 +88,13 @@ def _copy_pages_fn(source_sharding, target_sharding):
 
     def fn(source, target, src, dst):
         marker = _async_marker(src)
+        page_axis = source.ndim - 3 if axis is None else axis
         # Explicit placement of the indices: an operation needs all its operands in one
         # memory space.
         src, dst = jax.device_put(src, source_index), jax.device_put(dst, target_index)
         for i in range(src.shape[0]):
-            page = jax.device_put(_slice_page(source, src[i]), target_sharding)
-            target = _write_page(target, page, dst[i])
+            page = jax.device_put(_slice_page(source, src[i], page_axis), target_sharding)
+            target = _write_page(target, page, dst[i], page_axis)
         return target, marker
 
     return jax.jit(
@@ -93,17 +105,36 @@ def _copy_pages_fn(source_sharding, target_sharding):
     )
 
 
-def _copy_global(source, target, src: np.ndarray, dst: np.ndarray):
-    fn = _copy_pages_fn(as_named(source[0].sharding), as_named(target[0].sharding))
-    target_k, target_v = target
+def _copy_leaves(sources: list, targets: list, axis: int, src: np.ndarray, dst: np.ndarray):
+    """The page copy on flat lists of leaf arrays (page axis ``axis``); returns new targets."""
+    fns = [
+        _copy_pages_fn(as_named(s.sharding), as_named(t.sharding), axis)
+        for s, t in zip(sources, targets, strict=True)
+    ]
+    targets = list(targets)
     markers = []
     for start, size in chunks(src.size):
         chunk_src, chunk_dst = src[start : start + size], dst[start : start + size]
-        # Keys and values are separate programs: XLA:CPU can run them on two threads, and
-        # one program holding both measured about 2x slower.
-        target_k, marker_k = fn(source[0], target_k, chunk_src, chunk_dst)
-        target_v, marker_v = fn(source[1], target_v, chunk_src, chunk_dst)
-        markers += [marker_k, marker_v]
+        # Keys and values (and data and scales) are separate programs: XLA:CPU can run them
+        # on several threads, and one program holding both measured about 2x slower.
+        for i, fn in enumerate(fns):
+            targets[i], marker = fn(sources[i], targets[i], chunk_src, chunk_dst)
+            markers.append(marker)
+    return targets, markers
+
+
+def _flat(pair) -> list:
+    return leaves(pair[0]) + leaves(pair[1])
+
+
+def _unflat(like_pair, arrays: list):
+    n = len(leaves(like_pair[0]))
+    return rebuild(like_pair[0], arrays[:n]), rebuild(like_pair[1], arrays[n:])
+
+
+def _copy_global(source, target, src: np.ndarray, dst: np.ndarray):
+    arrays, markers = _copy_leaves(_flat(source), _flat(target), target[0].ndim - 3, src, dst)
+    target_k, target_v = _unflat(target, arrays)
     return target_k, target_v, markers
 
 
@@ -142,30 +173,35 @@ def _named_shard(shard):
 def _copy_per_shard(source, target, src: np.ndarray, dst: np.ndarray):
     """The copy run by each device on its own shards (pools split along the page axis)."""
     axis = target[0].ndim - 3
-    maps = [{s.device: s for s in x.addressable_shards} for x in (*source, *target)]
-    new_k, new_v, markers = [], [], []
-    for device, target_k in maps[2].items():
-        source_k, source_v, target_v = maps[0][device], maps[1][device], maps[3][device]
-        lo_src = source_k.index[axis].start or 0
-        hi_src = lo_src + source_k.data.shape[axis]
-        lo_dst = target_k.index[axis].start or 0
+    sources, targets = _flat(source), _flat(target)
+    source_maps = [{s.device: s for s in x.addressable_shards} for x in sources]
+    target_maps = [{s.device: s for s in x.addressable_shards} for x in targets]
+    new = [[] for _ in targets]
+    markers = []
+    for device, first in target_maps[0].items():
+        lo_src = source_maps[0][device].index[axis].start or 0
+        hi_src = lo_src + source_maps[0][device].data.shape[axis]
+        lo_dst = first.index[axis].start or 0
         mine = (src >= lo_src) & (src < hi_src)
         if not mine.any():
-            new_k.append(target_k.data)
-            new_v.append(target_v.data)
+            for i, m in enumerate(target_maps):
+                new[i].append(m[device].data)
             continue
-        k, v, done = _copy_global(
-            (_named_shard(source_k), _named_shard(source_v)),
-            (_named_shard(target_k), _named_shard(target_v)),
+        arrays, done = _copy_leaves(
+            [_named_shard(m[device]) for m in source_maps],
+            [_named_shard(m[device]) for m in target_maps],
+            axis,
             src[mine] - lo_src,
             dst[mine] - lo_dst,
         )
-        new_k.append(k)
-        new_v.append(v)
+        for i, a in enumerate(arrays):
+            new[i].append(a)
         markers += done
-    shape, sharding = target[0].shape, target[0].sharding
-    k = jax.make_array_from_single_device_arrays(shape, sharding, new_k)
-    v = jax.make_array_from_single_device_arrays(shape, sharding, new_v)
+    arrays = [
+        jax.make_array_from_single_device_arrays(t.shape, t.sharding, parts)
+        for t, parts in zip(targets, new, strict=True)
+    ]
+    k, v = _unflat(target, arrays)
     return k, v, markers
 
 
@@ -186,10 +222,13 @@ def copy_pages(source, target, src: np.ndarray, dst: np.ndarray):
     return k, v, tuple(markers)
 
 
-def layer_sharding(sharding):
-    """The sharding of one layer ``[K, n, C, H]`` cut from a pool sharded as ``[L, K, P, C, H]``."""
+def layer_sharding(sharding, ndim: int = 5):
+    """The sharding of one layer ``[K, n, C, H]`` cut from a pool sharded as ``[L, K, P, C, H]``.
+
+    ``ndim`` is the pool leaf's rank (4 for the scales ``[L, K, P, C]`` of a quantized pool).
+    """
     if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (5 - len(sharding.spec))
+        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
         if spec[0] is not None:
             raise NotImplementedError(
                 f"prefetch_layer: host_pool: pools sharded over the layer axis are not "
@@ -202,28 +241,32 @@ def layer_sharding(sharding):
 
 
 @functools.lru_cache(maxsize=64)
-def prefetch_fn(host_sharding, contiguous: bool, into: bool):
-    """Copies pages ``slots`` of one layer to device, into a donated buffer when ``into``."""
-    target = layer_sharding(host_sharding)
+def prefetch_fn(host_sharding, contiguous: bool, into: bool, ndim: int = 5):
+    """Copies pages ``slots`` of one layer to device, into a donated buffer when ``into``.
+
+    ``ndim``: the leaf's rank, 5 for ``[L, K, P, C, H]`` values, 4 for ``[L, K, P, C]`` scales.
+    """
+    target = layer_sharding(host_sharding, ndim)
     host_index = replicated(host_sharding, PINNED_HOST)
     device_index = replicated(host_sharding, device_kind(host_sharding))
 
     def fn(pool, layer, slots, out=None):
         marker = _async_marker(slots)
         layer, slots = jax.device_put(layer, host_index), jax.device_put(slots, host_index)
-        L, K, P, C, H = pool.shape
+        K, rest = pool.shape[1], pool.shape[3:]  # rest: (C, H) or (C,) for scales
+        zeros = (0,) * len(rest)
         n = slots.shape[0]
         if contiguous:  # slots[0] ... slots[0] + n - 1: one slice, one copy
-            pages = lax.dynamic_slice(pool, (layer, 0, slots[0], 0, 0), (1, K, n, C, H))
+            pages = lax.dynamic_slice(pool, (layer, 0, slots[0], *zeros), (1, K, n, *rest))
             pages = jax.device_put(pages[0], target)
             return (pages if out is None else out.at[:].set(pages)), marker
         # One slice per page straight from [L, K, P, C, H] (no layer copy first), written in
         # place into the device buffer: measured 2-3x faster on CPU than slicing the layer
         # out and concatenating the pages.
         if out is None:
-            out = jax.device_put(jnp.zeros((K, n, C, H), pool.dtype), target)
+            out = jax.device_put(jnp.zeros((K, n, *rest), pool.dtype), target)
         for i in range(n):
-            page = lax.dynamic_slice(pool, (layer, 0, slots[i], 0, 0), (1, K, 1, C, H))
+            page = lax.dynamic_slice(pool, (layer, 0, slots[i], *zeros), (1, K, 1, *rest))
             page = jax.device_put(page[0], target)  # [K, 1, C, H]
             out = lax.dynamic_update_slice_in_dim(out, page, i, axis=1)
         return out, marker
@@ -241,13 +284,14 @@ def _page_index(index: tuple, axis: int, positions: np.ndarray) -> tuple:
     return (*index[:axis], positions, *index[axis + 1 :])
 
 
-def gather_pages(pool: jax.Array, slots: np.ndarray) -> np.ndarray:
+def gather_pages(pool: jax.Array, slots: np.ndarray, axis: int | None = None) -> np.ndarray:
     """A numpy copy ``[..., n, C, H]`` of pages ``slots`` of a pool, read shard by shard.
 
     Works for any sharding (each device's shard contributes the pages it holds), so a pool
-    split along the page axis is never gathered whole.
+    split along the page axis is never gathered whole. ``axis`` overrides the page axis
+    (``ndim - 3``), for the scale leaf of a quantized pool.
     """
-    axis = pool.ndim - 3
+    axis = pool.ndim - 3 if axis is None else axis
     out = np.empty((*pool.shape[:axis], slots.size, *pool.shape[axis + 1 :]), pool.dtype)
     for shard in pool.addressable_shards:
         lo = shard.index[axis].start or 0
@@ -259,18 +303,22 @@ def gather_pages(pool: jax.Array, slots: np.ndarray) -> np.ndarray:
 
 
 def scatter_pages(target, pages, dst: np.ndarray):
-    """Writes numpy pages ``pages = (k, v) [..., n, C, H]`` into slots ``dst`` of ``target``.
+    """Writes numpy pages ``pages`` into slots ``dst`` of ``target``.
 
-    ``target`` (a ``(k, v)`` pair) is donated; each device receives only the pages of its own
-    shard, staged in its memory kind and copied in place by the page kernel.
+    ``target`` (a ``(k, v)`` pair of pools, float or quantized) is donated; ``pages`` holds one
+    numpy array ``[..., n, ...]`` per leaf of ``target`` (``k``, ``v`` for float pools; ``k``
+    data, ``k`` scales, ``v`` data, ``v`` scales for quantized ones). Each device receives only
+    the pages of its own shard, staged in its memory kind and copied in place by the page
+    kernel.
 
     Returns:
       ``(target_k, target_v)``, complete (this is the synchronous disk path).
     """
     axis = target[0].ndim - 3
-    new = ([], [])
-    for part in (0, 1):
-        for shard in target[part].addressable_shards:
+    targets = _flat(target)
+    new = tuple([] for _ in targets)
+    for part in range(len(targets)):
+        for shard in targets[part].addressable_shards:
             lo = shard.index[axis].start or 0
             mine = np.flatnonzero((dst >= lo) & (dst < lo + shard.data.shape[axis]))
             if not mine.size:
@@ -282,7 +330,7 @@ def scatter_pages(target, pages, dst: np.ndarray):
             source = jax.make_array_from_single_device_arrays(
                 source.shape, as_named(staging), [source]
             )
-            fn = _copy_pages_fn(as_named(staging), as_named(shard.data.sharding))
+            fn = _copy_pages_fn(as_named(staging), as_named(shard.data.sharding), axis)
             written = _named_shard(shard)
             for start, size in chunks(mine.size):
                 written, _ = fn(
@@ -292,10 +340,21 @@ def scatter_pages(target, pages, dst: np.ndarray):
                     (dst[mine] - lo)[start : start + size].astype(np.int32),
                 )
             new[part].append(written)
-    shape, sharding = target[0].shape, target[0].sharding
-    k = jax.make_array_from_single_device_arrays(shape, sharding, new[0])
-    v = jax.make_array_from_single_device_arrays(shape, sharding, new[1])
-    return jax.block_until_ready((k, v))
+    arrays = [
+        jax.make_array_from_single_device_arrays(t.shape, t.sharding, parts)
+        for t, parts in zip(targets, new, strict=True)
+    ]
+    return jax.block_until_ready(_unflat(target, arrays))
+
+
+def prefetch_pool_per_shard(pool, layer: int, slots: np.ndarray):
+    """:func:`prefetch_per_shard` of a float or quantized pool (leaf by leaf, same slots)."""
+    out, markers = [], []
+    for leaf in leaves(pool):
+        pages, done = prefetch_per_shard(leaf, layer, slots)
+        out.append(pages)
+        markers += done
+    return rebuild(pool, out), markers
 
 
 def prefetch_per_shard(pool: jax.Array, layer: int, slots: np.ndarray):
@@ -308,16 +367,16 @@ def prefetch_per_shard(pool: jax.Array, layer: int, slots: np.ndarray):
     Returns:
       ``(pages, markers)``.
     """
-    shards = page_shards(pool)
+    shards = page_shards(pool, 2)  # [L, K, P, ...]: data or scales
     per_slot, per_out = pool.shape[2] // shards, slots.size // shards
-    target = layer_sharding(pool.sharding)
+    target = layer_sharding(pool.sharding, pool.ndim)
     arrays, markers = [], []
     for shard in pool.addressable_shards:
         lo = shard.index[2].start or 0
         block = lo // per_slot
         local = (slots[block * per_out : (block + 1) * per_out] - lo).astype(np.int32)
         contiguous = bool(np.all(np.diff(local) == 1))
-        fetch = prefetch_fn(as_named(shard.data.sharding), contiguous, False)
+        fetch = prefetch_fn(as_named(shard.data.sharding), contiguous, False, pool.ndim)
         pages, marker = fetch(_named_shard(shard), np.int32(layer), local)
         arrays.append(pages)
         markers.append(marker)

@@ -33,6 +33,13 @@ layout of ``paged.sharded_paged_attention``). A pool split along the page axis h
 that would cross devices is a ``ValueError``). :func:`prefetch_layer` of such a pool takes
 ``n / D`` slots of each device block in block order and returns ``[K, n, C, H]`` split along
 ``n`` the same way (each device fetches its own pages); ``into`` is not supported there.
+
+Quantized pools (``paged.QuantizedPages``, int8 or fp8) move as they are stored, in every
+layout above: each call copies the ``data`` and the ``scale`` pages of the same ids together
+(both leaves in place), the host pool is quantized in the same format (build it with
+:func:`~offload.make_host_page_pool` from the device pool), and ``nbytes`` counts data plus
+scales (``H * itemsize + 4`` bytes per token per kv head, about half of bf16). Float and
+quantized pools, or two formats, never mix (``ValueError``).
 """
 
 import jax
@@ -46,9 +53,17 @@ from offload._host_pool import (
     check_device,
     check_host,
     check_match,
+    describe_pool,
+    leaves,
     page_shards,
+    rebuild,
 )
-from offload._page_copy import check_same_shards, copy_pages, prefetch_fn, prefetch_per_shard
+from offload._page_copy import (
+    check_same_shards,
+    copy_pages,
+    prefetch_fn,
+    prefetch_pool_per_shard,
+)
 from offload._tiers import TransferHandle
 from paged import QuantizedPages
 
@@ -81,8 +96,9 @@ def page_out(
     (it is host-side orchestration of compiled, in-place copies).
 
     Args:
-      k_pages: device keys ``[L, K, P, C, H]`` (or ``[K, P, C, H]``).
-      v_pages: device values, same shape, dtype and sharding.
+      k_pages: device keys ``[L, K, P, C, H]`` (or ``[K, P, C, H]``), float or a
+        ``paged.QuantizedPages`` (data and scales are copied together).
+      v_pages: device values, same shape, dtype (format) and sharding.
       page_ids: ``[n]`` device page ids in ``[0, P)`` (a list, numpy or concrete array).
       host_pool: the :class:`~offload.HostPagePool` to write, ``[L, K, P_host, C, H]``.
       host_slots: ``[n]`` distinct host slots in ``[0, P_host)``; for pools split along the
@@ -97,9 +113,8 @@ def page_out(
     Raises:
       ValueError: on mismatched pools, pools in the wrong memory kind, ids that are not 1-D
         integers of equal length, out of range, repeated host slots, or (pools split along
-        the page axis) a page and a slot on different devices.
-      NotImplementedError: for quantized pools (``paged.QuantizedPages``): not moved to
-        the host tiers yet.
+        the page axis) a page and a slot on different devices; on a float pool with a
+        quantized host pool or the reverse, or two quantized formats.
 
     Example:
       >>> k = jnp.ones((2, 4, 8, 16, 32)); host = make_host_page_pool(k, k, 64)
@@ -152,9 +167,8 @@ def page_in(
     Raises:
       ValueError: on mismatched pools, pools in the wrong memory kind, ids that are not 1-D
         integers of equal length, out of range, repeated device page ids, or (pools split
-        along the page axis) a slot and a page on different devices.
-      NotImplementedError: for quantized pools (``paged.QuantizedPages``): not moved to
-        the host tiers yet.
+        along the page axis) a slot and a page on different devices; on a float pool with a
+        quantized host pool or the reverse, or two quantized formats.
 
     Example:
       >>> k = jnp.ones((2, 4, 8, 16, 32)); host = make_host_page_pool(k, k, 64)
@@ -181,7 +195,9 @@ def prefetch_layer(
     host_slots: IdList,
     *,
     layer: int | np.integer,
-    into: tuple[Shaped[Array, "K n C H"], Shaped[Array, "K n C H"]] | None = None,
+    into: tuple[Shaped[Array, "K n C H"], Shaped[Array, "K n C H"]]
+    | tuple[QuantizedPages, QuantizedPages]
+    | None = None,
     request_id: str | None = None,
 ) -> TransferHandle:
     """Starts copying one layer's host pages to device arrays (asynchronous).
@@ -201,7 +217,8 @@ def prefetch_layer(
         then of block 1, ... (the result is split along ``n`` the same way).
       layer: the layer index in ``[0, L)``: an int or numpy integer (a float is rejected,
         never truncated).
-      into: optional staging buffers ``(k, v)``, each ``[K, n, C, H]`` on device, donated and
+      into: optional staging buffers ``(k, v)``, each ``[K, n, C, H]`` on device (a
+        ``paged.QuantizedPages`` of the host pool's format for a quantized pool), donated and
         written in place. Without them each call allocates fresh device arrays, which costs
         page faults on CPU; a decode loop can rotate two pairs (layer ``l + 2`` reuses layer
         ``l``'s pair once layer ``l`` is computed).
@@ -209,8 +226,8 @@ def prefetch_layer(
 
     Returns:
       A :class:`~offload.TransferHandle` whose ``value`` is ``(k, v)``, each ``[K, n, C, H]``
-      in device memory with the pool's sharding of the ``K`` axis; ``direction``
-      ``"host_to_device"``.
+      in device memory with the pool's sharding of the ``K`` axis (``QuantizedPages`` with
+      scales ``[K, n, C]`` for a quantized pool); ``direction`` ``"host_to_device"``.
 
     Raises:
       ValueError: if the pool is not rank 5, ``layer`` is not an int in range,
@@ -253,31 +270,50 @@ def prefetch_layer(
                 f"order (the pool is split along its pages over {shards} devices and so is the "
                 f"result), got slots {slots.tolist()} in blocks {blocks.tolist()}"
             )
-        k, mk = prefetch_per_shard(host_pool.k_pages, layer, slots)
-        v, mv = prefetch_per_shard(host_pool.v_pages, layer, slots)
+        k, mk = prefetch_pool_per_shard(host_pool.k_pages, layer, slots)
+        v, mv = prefetch_pool_per_shard(host_pool.v_pages, layer, slots)
         nbytes = slots.size * host_pool.page_nbytes // num_layers
         return TransferHandle(
             (k, v), "host_to_device", nbytes, request_id=request_id, done=tuple(mk + mv)
         )
+    pool = host_pool.k_pages
     if into is not None:
-        want = (host_pool.k_pages.shape[1], slots.size, *host_pool.k_pages.shape[-2:])
-        if (
-            not isinstance(into, tuple)
-            or len(into) != 2
-            or not all(isinstance(x, jax.Array) for x in into)
-            or any(x.shape != want or x.dtype != host_pool.k_pages.dtype for x in into)
-        ):
-            got = [(x.shape, x.dtype) if hasattr(x, "shape") else type(x).__name__ for x in into]
+        want = (pool.shape[1], slots.size, *pool.shape[-2:])
+        quantized = isinstance(pool, QuantizedPages)
+
+        def fits(x):
+            if quantized:
+                return (
+                    isinstance(x, QuantizedPages)
+                    and x.format == pool.format
+                    and isinstance(x.data, jax.Array)
+                    and isinstance(x.scale, jax.Array)
+                    and x.data.shape == want
+                    and x.data.dtype == pool.dtype
+                    and x.scale.shape == want[:-1]
+                    and x.scale.dtype == pool.scale.dtype
+                )
+            return isinstance(x, jax.Array) and x.shape == want and x.dtype == pool.dtype
+
+        if not isinstance(into, tuple) or len(into) != 2 or not all(fits(x) for x in into):
+            got = [describe_pool(x) for x in into] if isinstance(into, tuple) else repr(into)
+            kind = f"quantized {pool.format.kind} pools" if quantized else "arrays"
             raise ValueError(
-                f"{fn}: into: expected a pair of device arrays {want} "
-                f"{host_pool.k_pages.dtype}, got {got}"
+                f"{fn}: into: expected a pair of device {kind} {want} {pool.dtype}, got {got}"
             )
     contiguous = bool(np.all(np.diff(slots) == 1))
-    fetch = prefetch_fn(as_named(host_pool.k_pages.sharding), contiguous, into is not None)
-    extra = ((into[0],), (into[1],)) if into is not None else ((), ())
-    k, marker_k = fetch(host_pool.k_pages, np.int32(layer), slots, *extra[0])
-    v, marker_v = fetch(host_pool.v_pages, np.int32(layer), slots, *extra[1])
+    out, markers = [], []
+    for part, source in enumerate((host_pool.k_pages, host_pool.v_pages)):
+        targets = leaves(into[part]) if into is not None else [None] * len(leaves(source))
+        arrays = []
+        for leaf, target in zip(leaves(source), targets, strict=True):
+            fetch = prefetch_fn(as_named(leaf.sharding), contiguous, into is not None, leaf.ndim)
+            extra = () if target is None else (target,)
+            array, marker = fetch(leaf, np.int32(layer), slots, *extra)
+            arrays.append(array)
+            markers.append(marker)
+        out.append(rebuild(source, arrays))
     nbytes = slots.size * host_pool.page_nbytes // num_layers
     return TransferHandle(
-        (k, v), "host_to_device", nbytes, request_id=request_id, done=(marker_k, marker_v)
+        tuple(out), "host_to_device", nbytes, request_id=request_id, done=tuple(markers)
     )

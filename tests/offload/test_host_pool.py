@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import paged
 from offload import (
     HostPagePool,
     OffloadManager,
@@ -403,17 +402,3 @@ def test_manager_bookkeeping_matches_a_model(ops):
         page_bytes = manager.host_pool.page_nbytes
         assert manager.stats.tier_bytes("host") == len(slots) * page_bytes
     manager.poll()
-
-
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_quantized_pools_are_not_offloaded_yet(kind):
-    k, v = _pools()
-    kq = paged.quantize_pages(k, paged.KVFormat(kind))
-    vq = paged.quantize_pages(v, paged.KVFormat(kind))
-    with pytest.raises(NotImplementedError, match=r"make_host_page_pool: .*quantized pools"):
-        make_host_page_pool(kq, vq, 4)
-    host = make_host_page_pool(k, v, 4)
-    with pytest.raises(NotImplementedError, match=r"page_out: .*quantized pools"):
-        page_out(kq, vq, [1], host, [0])
-    with pytest.raises(NotImplementedError, match=r"page_in: .*quantized pools"):
-        page_in(host, [0], kq, vq, [1])

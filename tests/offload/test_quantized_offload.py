@@ -1,0 +1,369 @@
+"""Quantized pools (``paged.QuantizedPages``, int8 / fp8) through the offload tiers: data and
+scales move together, as stored, in every layout; bytes shrink in proportion."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+
+import paged
+from offload import (
+    CorruptCacheError,
+    DiskStore,
+    OffloadManager,
+    make_host_page_pool,
+    mixed_residency_attention,
+    page_in,
+    page_out,
+    prefetch_layer,
+    wait,
+)
+from tests._util import assert_close
+from tests.offload.test_layouts import CASES, LAYOUTS, PAGES, SLOTS, C, H, K, L, _mesh
+from tests.offload.test_layouts import _page_pairs as page_pairs
+
+
+def _bits(x) -> np.ndarray:
+    """The raw bytes of an array (bit-exact comparison for int8, fp8 and NaN scales)."""
+    x = np.ascontiguousarray(np.asarray(x))
+    return x.view(np.uint8).reshape(*x.shape, x.dtype.itemsize)
+
+
+def _assert_same(a, b):
+    np.testing.assert_array_equal(_bits(a.data), _bits(b.data))
+    np.testing.assert_array_equal(_bits(a.scale), _bits(b.scale))
+    assert a.format == b.format
+
+
+def _qpools(name, kind="int8", axis_type=AxisType.Auto, seed=0):
+    stacked, mesh_shape, names, spec = LAYOUTS[name]
+    shape = (L, K, PAGES, C, H) if stacked else (K, PAGES, C, H)
+    rng = np.random.default_rng(seed)
+    fmt = paged.KVFormat(kind)
+    k, v = (paged.quantize_pages(jnp.asarray(rng.standard_normal(shape)), fmt) for _ in "kv")
+    if mesh_shape is not None:
+        sharding = NamedSharding(_mesh(mesh_shape, names, axis_type), spec(len(shape)))
+        k, v = (
+            paged.QuantizedPages(*jax.device_put((x.data, x.scale), (sharding, sharding)), fmt)
+            for x in (k, v)
+        )
+    return k, v
+
+
+def _model(like, slots, source, ids):
+    """numpy leaves of a zero pool like ``like`` with ``source`` pages ``ids`` at ``slots``."""
+    out = []
+    for zero, src in ((like.data, source.data), (like.scale, source.scale)):
+        axis = like.ndim - 3
+        model = np.zeros(zero.shape, zero.dtype)
+        index = (slice(None),) * axis
+        model[(*index, slots)] = np.take(np.asarray(src), ids, axis)
+        out.append(model)
+    return paged.QuantizedPages(*out, like.format)
+
+
+FP8_CASES = [
+    pytest.param("fp8", "stacked-heads-pages", AxisType.Auto, id="fp8-stacked-heads-pages"),
+    pytest.param("fp8", "layer-pages", AxisType.Explicit, id="fp8-layer-pages-Explicit"),
+    pytest.param("fp8", "stacked-single", AxisType.Auto, id="fp8-stacked-single"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "axis_type"),
+    [pytest.param("int8", *c.values, id=f"int8-{c.id}") for c in CASES] + FP8_CASES,
+)
+def test_quantized_round_trip_every_layout(kind, name, axis_type):
+    k, v = _qpools(name, kind, axis_type=axis_type)
+    host = make_host_page_pool(k, v, SLOTS)
+    assert isinstance(host.k_pages, paged.QuantizedPages) and host.k_pages.format == k.format
+    for leaf in (host.k_pages.data, host.k_pages.scale, host.v_pages.data, host.v_pages.scale):
+        assert leaf.sharding.memory_kind == "pinned_host"
+    layers = L if k.ndim == 5 else 1
+    assert host.page_nbytes == 2 * layers * K * C * (H * 1 + 4)
+    split = "pages" in name
+    assert host.page_shards == (LAYOUTS[name][1][-1] if split else 1)
+    ids, slots = page_pairs(host.page_shards)
+    handle = page_out(k, v, ids, host, slots)
+    assert handle.nbytes == ids.size * host.page_nbytes
+    host = wait(handle)
+    _assert_same(host.k_pages, _model(host.k_pages, slots, k, ids))
+    _assert_same(host.v_pages, _model(host.v_pages, slots, v, ids))
+    if split:
+        assert host.k_pages.data.sharding.spec == k.data.sharding.spec
+        assert host.k_pages.scale.sharding.spec == k.scale.sharding.spec
+    # Back into other device pages of the same devices, over a zero quantized pool.
+    targets = ids[::-1].copy() if not split else ids
+    zeros = [
+        paged.QuantizedPages(jnp.zeros_like(x.data), jnp.zeros_like(x.scale), x.format)
+        for x in (k, v)
+    ]
+    zeros = [
+        paged.QuantizedPages(
+            jax.device_put(z.data, x.data.sharding),
+            jax.device_put(z.scale, x.scale.sharding),
+            z.format,
+        )
+        for z, x in zip(zeros, (k, v), strict=True)
+    ]
+    k2, v2 = wait(page_in(host, slots, *zeros, targets))
+    assert k2.data.sharding.is_equivalent_to(k.data.sharding, k.ndim)
+    assert k2.scale.sharding.memory_kind == "device"
+    _assert_same(k2, _model(k, targets, host.k_pages, slots))
+    _assert_same(v2, _model(v, targets, host.v_pages, slots))
+    if k.ndim == 5:
+        order = np.argsort(slots // (SLOTS // host.page_shards), kind="stable")
+        handle = prefetch_layer(host, slots[order], layer=1)
+        assert handle.nbytes == ids.size * host.page_nbytes // L
+        pk, pv = wait(handle)
+        _assert_same(pk, _take(k, ids[order])[1])
+        _assert_same(pv, _take(v, ids[order])[1])
+        if LAYOUTS[name][1] is None:  # into: donated quantized staging buffers
+            into = tuple(
+                paged.QuantizedPages(
+                    jnp.zeros((K, ids.size, C, H), x.dtype), jnp.zeros((K, ids.size, C)), x.format
+                )
+                for x in (k, v)
+            )
+            qk, qv = wait(prefetch_layer(host, slots, layer=0, into=into))
+            _assert_same(qk, _take(k, ids)[0])
+            _assert_same(qv, _take(v, ids)[0])
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_fp8_and_int8_round_trip_bit_exact_with_nan_scales(kind):
+    k, v = _qpools("stacked-single", kind, seed=1)
+    # A NaN scale (a token that held NaN) moves as it is.
+    k = paged.QuantizedPages(k.data, k.scale.at[0, 1, 3, 2].set(jnp.nan), k.format)
+    host = make_host_page_pool(k, v, 6)
+    ids = np.array([3, 1, 7, 2])
+    host = wait(page_out(k, v, ids, host, [0, 5, 2, 3]))
+    want_k, want_v = _take(k, ids), _take(v, ids)
+    k2, v2 = wait(page_in(host, [0, 5, 2, 3], k, v, [9, 10, 11, 12]))  # k, v donated
+    _assert_same(_take(k2, [9, 10, 11, 12]), want_k)
+    _assert_same(_take(v2, [9, 10, 11, 12]), want_v)
+    assert np.isnan(np.asarray(k2.scale)[0, 1, 9, 2])
+
+
+def test_bytes_shrink_in_proportion():
+    """int8 / fp8 transfers carry (H + 4) / (2 H) of the bf16 bytes: 0.516 at H = 128."""
+    shape, n = (2, 2, 8, 4, 128), 3
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    nbytes = {}
+    for label in ("float32", "bfloat16", "int8", "fp8"):
+        if label in ("int8", "fp8"):
+            pool = paged.quantize_pages(x, paged.KVFormat(label))
+        else:
+            pool = x.astype(label)
+        host = make_host_page_pool(pool, pool, 4)
+        handle = page_out(pool, pool, [1, 4, 6], host, [0, 1, 2])
+        wait(handle)
+        manager = OffloadManager(make_host_page_pool(pool, pool, 4))
+        manager.wait(manager.page_out(pool, pool, [1, 4, 6], request_id="r"))
+        assert manager.stats.tier_bytes("host", request_id="r") == handle.nbytes
+        nbytes[label] = handle.nbytes
+    tokens = n * 2 * 2 * 4  # pages * layers * kv heads * C, for keys and again for values
+    assert nbytes["float32"] == 2 * tokens * 128 * 4 == 49152
+    assert nbytes["bfloat16"] == 2 * tokens * 128 * 2 == 24576
+    assert nbytes["int8"] == nbytes["fp8"] == 2 * tokens * (128 + 4) == 12672
+    assert nbytes["int8"] / nbytes["bfloat16"] == pytest.approx(132 / 256)  # 0.516
+    assert nbytes["int8"] / nbytes["float32"] == pytest.approx(132 / 512)  # 0.258
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("stacked-single", "int8"), ("layer-heads", "fp8"), ("stacked-pages", "int8")],
+)
+def test_manager_stats_and_disk_round_trip(tmp_path, name, kind):
+    k, v = _qpools(name, kind, seed=3)
+    store = DiskStore(tmp_path / "disk")
+    manager = OffloadManager(make_host_page_pool(k, v, SLOTS), disk=store)
+    shards = manager.host_pool.page_shards
+    ids, _ = page_pairs(shards)
+    ids = ids[np.argsort(ids // (PAGES // shards), kind="stable")]  # block order (prefetch)
+    page_bytes = manager.host_pool.page_nbytes
+    handle = manager.page_out(k, v, ids, request_id="r")
+    manager.wait(handle)
+    assert manager.stats.tier_bytes("host", request_id="r") == ids.size * page_bytes
+    assert manager.stats.transfers("device_to_host").nbytes == ids.size * page_bytes
+    slots = manager.host_slots("r")
+    if k.ndim == 5:
+        pk, _ = manager.wait(manager.prefetch(layer=1, request_id="r"))
+        _assert_same(pk, _take(k, ids)[1])
+    pools = (manager.host_pool.k_pages, manager.host_pool.v_pages)
+    before = [_take(x, slots) for x in pools]  # the host pool is donated by restore
+    data_bytes = ids.size * page_bytes
+    written = manager.spill("r")
+    block_bytes = 4 * ids.size if shards > 1 else 0  # each page's device block, int32
+    assert written == data_bytes + len(kind) + block_bytes  # + the format's name
+    assert manager.stats.tier_bytes("host", request_id="r") == 0
+    assert manager.stats.tier_bytes("disk", request_id="r") == written
+    assert manager.stats.transfers("host_to_disk").nbytes == written
+    entry = store.get("r")
+    assert entry["k"].dtype == k.dtype and entry["k_scale"].dtype == np.float32
+    assert entry["format"].tobytes().decode() == kind
+    read = manager.restore("r")
+    assert read == data_bytes
+    assert manager.stats.tier_bytes("disk", request_id="r") == 0
+    assert manager.stats.tier_bytes("host", request_id="r") == data_bytes
+    new_slots = manager.host_slots("r")
+    for a, b in zip(before, (manager.host_pool.k_pages, manager.host_pool.v_pages), strict=True):
+        _assert_same(_take(b, new_slots), a)
+    zeros = [
+        paged.QuantizedPages(
+            jax.device_put(jnp.zeros_like(x.data), x.data.sharding),
+            jax.device_put(jnp.zeros_like(x.scale), x.scale.sharding),
+            x.format,
+        )
+        for x in (k, v)
+    ]
+    k2, v2 = manager.wait(manager.page_in(*zeros, ids, request_id="r"))
+    _assert_same(_take(k2, ids), _take(k, ids))
+    _assert_same(_take(v2, ids), _take(v, ids))
+    assert manager.stats.tier_bytes("host") == 0
+    assert manager.stats.transfers("host_to_device").nbytes == ids.size * page_bytes + (
+        ids.size * page_bytes // L if k.ndim == 5 else 0
+    )
+
+
+def _take(pool, ids):
+    """numpy ``QuantizedPages`` of pages ``ids`` (page axis ``ndim - 3``)."""
+    axis = pool.ndim - 3
+    return paged.QuantizedPages(
+        np.take(np.asarray(pool.data), ids, axis),
+        np.take(np.asarray(pool.scale), ids, axis),
+        pool.format,
+    )
+
+
+@pytest.mark.no_typecheck
+def test_disk_entry_of_another_kind_is_corrupt(tmp_path):
+    store = DiskStore(tmp_path / "disk")
+    k8, v8 = _qpools("stacked-single", "int8")
+    kf, vf = _qpools("stacked-single", "fp8")
+    floats = jnp.zeros(k8.shape)
+    int8 = OffloadManager(make_host_page_pool(k8, v8, 4), disk=store)
+    fp8 = OffloadManager(make_host_page_pool(kf, vf, 4), disk=store)
+    flt = OffloadManager(make_host_page_pool(floats, floats, 4), disk=store)
+    for manager, (k, v), request in ((int8, (k8, v8), "q"), (flt, (floats, floats), "f")):
+        manager.wait(manager.page_out(k, v, [1, 2], request_id=request))
+        manager.spill(request)
+    with pytest.raises(
+        CorruptCacheError,
+        match=r"restore: request_id: .*quantized 'fp8' pages.*got quantized 'int8'",
+    ):
+        fp8.restore("q")
+    with pytest.raises(
+        CorruptCacheError, match=r"restore: .*float pages like the host pool, got quantized 'int8'"
+    ):
+        flt.restore("q")
+    with pytest.raises(
+        CorruptCacheError, match=r"restore: .*quantized 'int8' pages .*got float pages"
+    ):
+        int8.restore("f")
+    entry = store.get("q")
+    store.put("bad", {**entry, "k_scale": entry["k_scale"][..., :2]})
+    with pytest.raises(CorruptCacheError, match=r"array 'k_scale' float32"):
+        int8.restore("bad")
+    assert int8.free_slots == fp8.free_slots == flt.free_slots == 4  # nothing was written
+    int8.restore("q")  # the entry is intact
+
+
+@pytest.mark.no_typecheck
+def test_float_and_quantized_pools_do_not_mix():
+    kq, vq = _qpools("stacked-single", "int8")
+    kf, vf = _qpools("stacked-single", "fp8")
+    floats = jnp.zeros(kq.shape)
+    with pytest.raises(ValueError, match=r"make_host_page_pool: .*both float or both quantized"):
+        make_host_page_pool(kq, floats, 4)
+    with pytest.raises(
+        ValueError, match=r"make_host_page_pool: .*one format, got 'int8' and 'fp8'"
+    ):
+        make_host_page_pool(kq, vf, 4)
+    float_host = make_host_page_pool(floats, floats, 4)
+    quant_host = make_host_page_pool(kq, vq, 4)
+    with pytest.raises(
+        ValueError, match=r"page_out: host_pool: .*float and quantized pools do not mix"
+    ):
+        page_out(kq, vq, [1], float_host, [0])
+    with pytest.raises(
+        ValueError, match=r"page_out: host_pool: .*float and quantized pools do not mix"
+    ):
+        page_out(floats, floats, [1], quant_host, [0])
+    with pytest.raises(
+        ValueError, match=r"page_in: host_pool: .*float and quantized pools do not mix"
+    ):
+        page_in(quant_host, [0], floats, floats, [1])
+    with pytest.raises(ValueError, match=r"page_in: host_pool: expected format 'fp8'"):
+        page_in(quant_host, [0], kf, vf, [1])
+    with pytest.raises(
+        ValueError, match=r"prefetch_layer: into: expected a pair of device quantized int8"
+    ):
+        prefetch_layer(quant_host, [0], layer=0, into=(floats[0, :, :1], floats[0, :, :1]))
+    bad = paged.QuantizedPages(kq.data, kq.scale.astype(jnp.bfloat16), kq.format)
+    with pytest.raises(ValueError, match=r"expected data in int8 and float32 scales"):
+        make_host_page_pool(bad, bad, 4)
+
+
+def test_mixed_residency_with_quantized_cold_pages_from_host():
+    """Device pool + cold pages paged in from the host equal attention over the full pool; NaN
+    scales in unreadable slots (demoted device pages, staging slots, tails) have no effect."""
+    B, M, N, HD = 2, 4, 4, 16
+    P = 1 + B * M
+    rng = np.random.default_rng(5)
+    fmt = paged.KVFormat("int8")
+    full_k, full_v = (
+        paged.quantize_pages(jnp.asarray(rng.standard_normal((K, P, C, HD))), fmt) for _ in "kv"
+    )
+    table = jnp.asarray(1 + np.arange(B * M).reshape(B, M), jnp.int32)
+    lengths = jnp.asarray([14, 9], jnp.int32)
+    # Tails past lengths hold NaN scales in every pool (never readable).
+    tail = np.zeros((K, P, C), bool)
+    for b in range(B):
+        for t in range(int(lengths[b]), M * C):
+            tail[:, int(table[b, t // C]), t % C] = True
+    full_k, full_v = (
+        paged.QuantizedPages(x.data, jnp.where(tail, jnp.nan, x.scale), fmt)
+        for x in (full_k, full_v)
+    )
+    keep = np.array([[True, False, True, False], [False, True, False, True]])
+    demoted = np.asarray(table)[~keep]
+    # The cold pages go through the host tier and come back into a staging pool.
+    host = wait(
+        page_out(full_k, full_v, demoted, make_host_page_pool(full_k, full_v, 8), [7, 0, 3, 5])
+    )
+    staging = [
+        paged.QuantizedPages(
+            jnp.zeros((K, 1 + demoted.size, C, HD), jnp.int8),
+            jnp.full((K, 1 + demoted.size, C), jnp.nan),  # unwritten (null page): NaN
+            fmt,
+        )
+        for _ in "kv"
+    ]
+    cold_k, cold_v = wait(page_in(host, [7, 0, 3, 5], *staging, 1 + np.arange(demoted.size)))
+    cold_table = np.zeros((B, M), np.int32)
+    cold_table[~keep] = 1 + np.arange(demoted.size)
+    # The device pool: demoted pages' scales are NaN (they left the device).
+    gone = np.zeros((K, P, C), bool)
+    gone[:, demoted] = True
+    dev_k, dev_v = (
+        paged.QuantizedPages(x.data, jnp.where(gone, jnp.nan, x.scale), fmt)
+        for x in (full_k, full_v)
+    )
+    q = jnp.asarray(rng.standard_normal((B, 1, N, HD)), jnp.float32)
+    res = mixed_residency_attention(
+        q,
+        dev_k,
+        dev_v,
+        jnp.where(jnp.asarray(keep), table, 0),
+        lengths,
+        cold_table=jnp.asarray(cold_table),
+        cold_k_pages=cold_k,
+        cold_v_pages=cold_v,
+    )
+    ref = paged.paged_attention(q, full_k, full_v, table, lengths)
+    assert np.all(np.isfinite(np.asarray(res.out)))
+    assert_close(res.out, ref.out, dtype=jnp.float32, what="mixed vs full quantized pool")
+    assert_close(res.lse, ref.lse, dtype=jnp.float32, what="lse")
