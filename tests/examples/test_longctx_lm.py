@@ -314,10 +314,13 @@ def test_retention_rejects_bad_options():
         )
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind):
+@pytest.mark.parametrize(("kind", "demote"), [("int8", False), ("fp8", False), ("int8", True)])
+def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind, demote):
     """Pages in a paged.KVFormat: greedy output equals dense recomputation whose K/V pass
-    through the same per-token quantization (quantize -> dequantize) at every layer."""
+    through the same per-token quantization (quantize -> dequantize) at every layer; also with
+    80% of the pages demoted to host as stored (data and scales) and fetched back."""
+    import offload
+
     import paged
     import ringattn
     from examples.longctx_lm import generate
@@ -337,6 +340,14 @@ def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind
         pos = ringattn.Positions(positions, positions)
         return ringattn.attention_reference(q, quantized(k), quantized(v), causal=True, positions=pos).out  # fmt: skip
 
-    got = server.generate(prompts, 6)
+    retention = None
+    if demote:
+        policy = offload.RetentionPolicy("h2o", 0.2, page_size=4, sink=1, recent=1)
+        retention = generate.Retention(policy, mode="demote", window=4, scrub=True)
+    got = server.generate(prompts, 6, retention=retention)
+    if demote:
+        info = server.last_info
+        assert info.kept_pages.sum() <= 0.3 * info.prompt_pages.sum()
+        assert isinstance(server.offload.host_pool.k_pages, paged.QuantizedPages)
     for p, g in zip(prompts, got, strict=True):
         np.testing.assert_array_equal(g, generate.generate_dense(model, p, 6, attend))
