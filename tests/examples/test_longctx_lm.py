@@ -200,6 +200,21 @@ def test_the_committed_checkpoint_solves_fresh_samples(task, floor, capsys):
     assert result["accuracy"] >= floor, result
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("task, floor", [("passkey", 0.8), ("recall", 0.9)])
+def test_the_2048_checkpoint_reads_2048_tokens(task, floor):
+    """checkpoint_2048 (the whole curriculum) at its trained length, on fresh samples (its
+    measured accuracy on 128 samples: passkey 92.2%, recall 98.5%; floors leave room for 16)."""
+    import os
+
+    from examples.longctx_lm import evaluate
+
+    path = os.path.join(os.path.dirname(evaluate.CHECKPOINT), "checkpoint_2048")
+    result = evaluate.main(["--task", task, "--samples", "16", "--seed", "424242", "--checkpoint", path])  # fmt: skip
+    assert result["length"] == 2048
+    assert result["accuracy"] >= floor, result
+
+
 def _retention_setup(seed=4, length=64, prompt_len=50):
     from examples.longctx_lm import generate
 
