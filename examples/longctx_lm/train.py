@@ -243,10 +243,11 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, *, out: str | None, eval_eve
           block_sizes: ringattn.BlockSizes | None = None):  # fmt: skip
     """Trains with blockwise attention on one device, or ring attention over ``mesh``.
 
-    With ``mesh`` (axes ``("data", "seq")``, of either axis type) every step runs
-    :func:`attention.sharded` (ring, zigzag layout): the batch is permuted into the layout
-    once per step and split over both axes; the periodic evaluation runs on one device with
-    blockwise attention (the same math). Returns the model and its history.
+    With ``mesh`` (axes ``("data", "seq")``, of either axis type) every step runs under
+    ``jax.set_mesh(mesh)`` with :func:`attention.sharded` (ring, zigzag layout): the batch is
+    permuted into the layout once per step and split over both axes; the periodic evaluation
+    runs on one device with blockwise attention (the same math). Returns the model and its
+    history.
 
     Every ``eval_every`` steps (and at the end) both tasks are evaluated at the current
     context and, with ``out``, a checkpoint is written. With ``resume`` and a checkpoint of the
@@ -254,6 +255,14 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig, *, out: str | None, eval_eve
     drawn from ``seed`` and ``i`` alone, so a resumed run sees the batches an uninterrupted one
     would.
     """
+    kw = dict(out=out, eval_every=eval_every, eval_samples=eval_samples, resume=resume, log=log, block_sizes=block_sizes)  # fmt: skip
+    if mesh is None:
+        return _train(model_cfg, cfg, mesh=None, **kw)
+    with jax.set_mesh(mesh):
+        return _train(model_cfg, cfg, mesh=mesh, **kw)
+
+
+def _train(model_cfg, cfg, *, out, eval_every, eval_samples, resume, log, mesh, block_sizes):
     from tqdm.auto import tqdm
 
     graphdef, rest, state = _abstract_state(model_cfg, cfg)
@@ -338,7 +347,10 @@ def main(argv=None):
     if args.mesh:
         d, s = (int(x) for x in args.mesh.lower().split("x"))
         if jax.config.jax_platforms in (None, "", "cpu"):
-            jax.config.update("jax_num_cpu_devices", d * s)  # before any JAX array
+            try:
+                jax.config.update("jax_num_cpu_devices", d * s)  # before any JAX array
+            except RuntimeError:  # the backend already exists (e.g. under pytest): keep it
+                pass
         mesh = jax.make_mesh(
             (d, s), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
         )

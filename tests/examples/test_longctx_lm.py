@@ -116,6 +116,15 @@ def test_a_short_ring_run_matches_the_one_device_run(axis_type):
         train.train(TINY, bad, mesh=mesh, **quiet)
 
 
+def test_the_training_cli_runs_with_ring_attention_over_a_mesh(tmp_path):
+    out = tmp_path / "ring"
+    argv = ["--mesh", "2x4", "--stages", "2:96", "--out", str(out), "--eval-every", "2",
+            "--eval-samples", "2", "--batch-size", "4", "--width", "32"]  # fmt: skip
+    train.main(argv)
+    _, meta = train.load_checkpoint(str(out))
+    assert [row["step"] for row in meta["history"]] == [2]
+
+
 @pytest.mark.slow
 def test_a_short_run_evaluates_and_its_checkpoint_round_trips(tmp_path):
     cfg = train.TrainConfig(stages=((4, 80),), batch_size=4, warmup_steps=2, peak_lr=1e-2)
@@ -335,7 +344,6 @@ def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind
     through the same per-token quantization (quantize -> dequantize) at every layer; also with
     80% of the pages demoted to host as stored (data and scales) and fetched back."""
     import offload
-
     import paged
     import ringattn
     from examples.longctx_lm import generate
