@@ -6,6 +6,7 @@ tests run those checks on a tiny model so a broken benchmark path shows up in CI
 """
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from benchmarks import bench_decode, bench_quality, bench_train
@@ -28,6 +29,7 @@ def test_bench_decode_methods_emit_the_same_greedy_tokens():
     assert tokens.shape == (6,)
 
 
+@pytest.mark.slow
 def test_bench_quality_demote_is_exact_and_drop_is_scored():
     """The harness on a tiny model, scored against its own full-KV greedy output: every rule
     is exact when demoting (all pages come back), and full budget is exact when dropping."""

@@ -98,6 +98,7 @@ def test_ring_training_step_equals_the_dense_single_device_step(axis_type):
         assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: relative error {err:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_a_short_ring_run_matches_the_one_device_run(axis_type):
     """Three optimizer steps with ring attention over ("data", "seq") = (2, 4) land on the
@@ -116,6 +117,7 @@ def test_a_short_ring_run_matches_the_one_device_run(axis_type):
         train.train(TINY, bad, mesh=mesh, **quiet)
 
 
+@pytest.mark.slow
 def test_the_training_cli_runs_with_ring_attention_over_a_mesh(tmp_path):
     out = tmp_path / "ring"
     argv = ["--mesh", "2x4", "--stages", "2:96", "--out", str(out), "--eval-every", "2",
