@@ -129,9 +129,8 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, absent=None,
     model = nnx.merge(graphdef, state)
     B = token.shape[0]
 
-    def attend(q, cache, layer):
+    def attend(q, cache, layer, table):
         # The new token is already written at position lengths: attend over lengths + 1 keys.
-        table = cache.page_table if absent is None else jnp.where(absent, 0, cache.page_table)
         k, v = cache.k_pages[layer], cache.v_pages[layer]
         if cold is None:
             return paged.paged_attention(q, k, v, table, cache.lengths + 1).out, None
@@ -146,7 +145,10 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, absent=None,
         cache, stack, token, prev, out = carry
         cache, stack, ok = paged.ensure_next_page(cache, stack)
         positions = cache.lengths[:, None]
-        logits, cache, _ = _cached_forward(model, cache, token[:, None], prev[:, None], positions, attend)  # fmt: skip
+        # One device table per step (every layer shares it): absent slots point to the null page.
+        table = cache.page_table if absent is None else jnp.where(absent, 0, cache.page_table)
+        attend_step = functools.partial(attend, table=table)
+        logits, cache, _ = _cached_forward(model, cache, token[:, None], prev[:, None], positions, attend_step)  # fmt: skip
         cache = paged.advance(cache, ok.astype(jnp.int32))
         nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
         return cache, stack, nxt, token, out.at[:, i].set(nxt)
@@ -374,10 +376,7 @@ class Server:
         cache = paged.with_page_table(cache, cache.page_table, jnp.asarray(last))
         for s, a in zip(seqs, admissions, strict=True):
             self.allocator.commit(s, a.num_tokens - 1)
-        absent, cold, info = self._retain(cache, retention, prompt_mass, window_mass, last)
-        if retention is not None and retention.scrub and info.moved_bytes:
-            ids = jnp.asarray(np.asarray(cache.page_table)[absent])
-            cache = cache._replace(k_pages=_scrub(cache.k_pages, ids), v_pages=_scrub(cache.v_pages, ids))  # fmt: skip
+        cache, absent, cold, info = self._retain(cache, retention, prompt_mass, window_mass, last)
         self.last_info = info
         # Pages for the generated tokens come from an on-device stack (no host round trips).
         need = sum(-(-(e + max_new_tokens) // C) - -(-e // C) + 1 for e in ends)
@@ -395,13 +394,14 @@ class Server:
         return [np.asarray(out[i]) for i in range(len(prompts))]
 
     def _retain(self, cache, retention, prompt_mass, window_mass, last):
-        """Applies ``retention``: returns ``(absent [B, M] | None, cold | None, info)``."""
+        """Applies ``retention``: returns ``(cache, absent [B, M] | None, cold | None, info)``
+        (``cache`` with the demoted pages' device copies scrubbed when asked)."""
         table = np.asarray(cache.page_table)
         M = table.shape[1]
         live = (np.arange(M)[None, :] < -(-last // self.page_size)[:, None]) & (table != 0)
         if retention is None:
             n = live.sum(1)
-            return None, None, GenerationInfo(n, n, 0)
+            return cache, None, None, GenerationInfo(n, n, 0)
         view = PromptView(cache.k_pages, cache.v_pages, cache.page_table, cache.lengths,
                           prompt_mass, window_mass, self.page_size)  # fmt: skip
         keep = np.array(retention.rule()(view), bool)
@@ -414,7 +414,7 @@ class Server:
         absent = live & ~keep
         info = GenerationInfo(live.sum(1), (live & keep).sum(1), 0)
         if retention.mode == "drop" or not absent.any():
-            return absent, None, info
+            return cache, absent, None, info
         # Demote: every absent page goes to pinned host memory, then comes back into a cold
         # pool that the decode reads (all of them are fetched: the result is exact).
         if self.offload is None:
@@ -431,7 +431,10 @@ class Server:
         cold_table = np.zeros_like(table)
         cold_table[absent] = np.arange(1, ids.size + 1)
         info = info._replace(moved_bytes=int(out.nbytes + back.nbytes))
-        return absent, (jnp.asarray(cold_table), cold_k, cold_v), info
+        if retention.scrub:
+            dead = jnp.asarray(ids)
+            cache = cache._replace(k_pages=_scrub(cache.k_pages, dead), v_pages=_scrub(cache.v_pages, dead))  # fmt: skip
+        return cache, absent, (jnp.asarray(cold_table), cold_k, cold_v), info
 
 
 def _empty_pool(pool, num_pages: int):
