@@ -34,6 +34,7 @@ differentiation raises. Oracles: :func:`paged.paged_attention_reference` and
 :func:`paged.ragged_paged_attention_reference`.
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -45,6 +46,7 @@ from jaxtyping import Array, Float, Int
 
 import ringattn
 from paged._checks import (
+    check_residual_rows,
     check_array,
     check_heads,
     check_pages,
@@ -142,14 +144,23 @@ def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, *, opt
     q_valid = jnp.ones(q.shape[:2], bool)
 
     def one(args):
-        q_b, pos_b, valid_b, row_b, len_b = args
-        out, lse, mass = attend_sequence(
-            q_b, pos_b, valid_b, row_b, len_b, k_pages, v_pages, opts=opts
-        )
+        q_b, pos_b, valid_b, row_b, len_b, b = args
+        k_b, v_b = sequence_view(k_pages, b), sequence_view(v_pages, b)
+        out, lse, mass = attend_sequence(q_b, pos_b, valid_b, row_b, len_b, k_b, v_b, opts=opts)
         mass = mass[:, :, :M].transpose(1, 0, 2) if mass is not None else None  # [T, N, M]
         return out, lse, mass
 
-    return lax.map(one, (q, q_positions, q_valid, table, lengths))
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+    return lax.map(one, (q, q_positions, q_valid, table, lengths, rows))
+
+
+def sequence_view(pool, b):
+    """``pool`` as sequence ``b`` reads it: a kivi2 pool's residual narrowed to row ``b``
+    (``[K, B, C, H] -> [K, C, H]``); any other pool as it is."""
+    if getattr(pool, "residual", None) is None:
+        return pool
+    residual = lax.dynamic_index_in_dim(pool.residual, b, axis=1, keepdims=False)
+    return dataclasses.replace(pool, residual=residual)
 
 
 def finish(out, lse, mass_rows, sinks, dtype) -> PagedAttentionOutput:
@@ -243,6 +254,7 @@ def paged_attention(
     K, P, C, H = check_pages(fn, k_pages, v_pages)
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     check_table(fn, page_table, lengths, B)
+    check_residual_rows(fn, k_pages, v_pages, B)
     if T < 1:
         raise ValueError(f"{fn}: q: expected at least one query token (T >= 1), got {describe(q)}")
     spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
@@ -288,6 +300,7 @@ def _ragged_impl(
         q_len = jnp.maximum(cu[b + 1] - start, 0)
         length = lengths[b]
         row = table[b]
+        k_view, v_view = sequence_view(k_pages, b), sequence_view(v_pages, b)
 
         def query_block(i, carry):
             out, lse, mass = carry
@@ -298,7 +311,7 @@ def _ragged_impl(
             valid = (local < q_len) & (first >= 0) & (first + rows < total)
             q_blk = lax.dynamic_slice(q_pad, (first, 0, 0), (TQ, N, H))
             pos = length - q_len + local
-            o, s, m = attend_sequence(q_blk, pos, valid, row, length, k_pages, v_pages, opts=opts)
+            o, s, m = attend_sequence(q_blk, pos, valid, row, length, k_view, v_view, opts=opts)
             old_o = lax.dynamic_slice(out, (first, 0, 0), (TQ, N, H))
             old_s = lax.dynamic_slice(lse, (first, 0), (TQ, N))
             out = lax.dynamic_update_slice(
@@ -397,6 +410,7 @@ def ragged_paged_attention(
     K, P, C, H = check_pages(fn, k_pages, v_pages)
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     B, _ = check_table(fn, page_table, lengths, None)
+    check_residual_rows(fn, k_pages, v_pages, B)
     if total < 1:
         raise ValueError(f"{fn}: q: expected at least one token row (Q >= 1), got {describe(q)}")
     check_array(fn, "cu_q_lens", cu_q_lens, 1, jnp.integer)

@@ -38,6 +38,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from paged._checks import check_array, describe, int_option, is_int, layer_index
+from paged import _kivi
 from paged._quantized import KVFormat, QuantizedPages, is_quantized, set_tokens, take_decoded
 
 __all__ = [
@@ -148,6 +149,22 @@ def init_paged_cache(
     if kv_format is None:
         k_pages = jnp.zeros((L, K, P, C, H), dtype)
         v_pages = jnp.zeros_like(k_pages)
+    elif isinstance(kv_format, KVFormat) and kv_format.kind == "kivi2":
+        if H % 4:
+            raise ValueError(f"{fn}: head_dim: kivi2 packs 4 codes a byte: H % 4 == 0, got {H}")
+
+        def pool(grouping):
+            stats = (L, K, P, H) if grouping == "channel" else (L, K, P, C)
+            return QuantizedPages(
+                jnp.zeros((L, K, P, C, H // 4), jnp.uint8),
+                jnp.zeros(stats, jnp.bfloat16),
+                kv_format,
+                zero=jnp.zeros(stats, jnp.bfloat16),
+                residual=jnp.zeros((L, K, B, C, H), jnp.float32),
+                grouping=grouping,
+            )
+
+        k_pages, v_pages = pool("channel"), pool("token")
     elif isinstance(kv_format, KVFormat):
 
         def pool():
@@ -264,6 +281,12 @@ def _write_layer_impl(cache, layer, k, v, start):
     ids, offset = _target_pages(cache, start, k.shape[1])
     L = cache.k_pages.shape[0]
     layer = jnp.where((layer >= 0) & (layer < L), layer, L)  # out of range: dropped
+    if _is_kivi(cache):
+        layers = jnp.reshape(layer, (1,))
+        return cache._replace(
+            k_pages=_kivi_write(cache, cache.k_pages, k[None], start, layers),
+            v_pages=_kivi_write(cache, cache.v_pages, v[None], start, layers),
+        )
     # Index [layer, :, ids, offset]: the advanced indices broadcast to [B, T] and lead.
     index = (layer, slice(None), ids, offset)
     k_pages = set_tokens(cache.k_pages, index, k)
@@ -363,6 +386,15 @@ def write(
 @jax.jit
 def _write_impl(cache, k, v, start):
     L, _, T = k.shape[:3]
+    if _is_kivi(cache):
+        layers = jnp.arange(L, dtype=jnp.int32)
+        lengths = jnp.clip(jnp.maximum(cache.lengths, start + T), 0, cache.capacity)
+        return PagedKVCache(
+            _kivi_write(cache, cache.k_pages, k, start, layers),
+            _kivi_write(cache, cache.v_pages, v, start, layers),
+            cache.page_table,
+            lengths,
+        )
     ids, offset = _target_pages(cache, start, T)
     # [L, :, ids, offset] -> indexed shape [L, B, T, K, H] (advanced dims after the slice).
     layers = jnp.arange(L)[:, None, None]
@@ -371,6 +403,16 @@ def _write_impl(cache, k, v, start):
     v_pages = set_tokens(cache.v_pages, index, v)
     lengths = jnp.clip(jnp.maximum(cache.lengths, start + T), 0, cache.capacity)
     return PagedKVCache(k_pages, v_pages, cache.page_table, lengths)
+
+
+def _is_kivi(cache) -> bool:
+    return is_quantized(cache.k_pages) and cache.k_pages.format.kind == "kivi2"
+
+
+def _kivi_write(cache, pool, x, start, layers):
+    return _kivi.write_tokens(
+        pool, cache.page_table, cache.lengths, x, start, layers, cache.capacity
+    )
 
 
 def gather_kv(
@@ -408,6 +450,14 @@ def _gather_kv_impl(cache, layer):
     def one(pool):
         x = take_decoded(pool[layer], (slice(None), ids))  # [K, B, M, C, H]
         x = x.transpose(1, 2, 3, 0, 4).reshape(B, M * C, K, H)
+        residual = getattr(pool, "residual", None)
+        if residual is not None:  # kivi2: each sequence's open page from its residual
+            res = residual[layer].transpose(1, 2, 0, 3)  # [B, C, K, H]
+            base = (cache.lengths // C) * C
+            in_tail = (pos[None] >= base[:, None]) & (pos[None] < cache.lengths[:, None])
+            idx = jnp.clip(pos[None] - base[:, None], 0, C - 1)
+            tail = jnp.take_along_axis(res, idx[:, :, None, None], axis=1)
+            x = jnp.where(in_tail[:, :, None, None], tail, x)
         return jnp.where(ok[:, :, None, None], x, jnp.zeros((), x.dtype))
 
     return one(cache.k_pages), one(cache.v_pages)

@@ -97,11 +97,52 @@ def check_quantized(fn: str, name: str, pages, ndim: int) -> None:
             f"{fn}: {name}.data: expected dtype {kv_format.storage_dtype} (format "
             f"{kv_format.kind!r}), got {describe(data)}"
         )
+    if kv_format.kind == "kivi2":
+        _check_kivi(fn, name, pages)
+        return
     if tuple(scale.shape) != tuple(data.shape[:-1]) or scale.dtype != jnp.float32:
         raise ValueError(
             f"{fn}: {name}.scale: expected float32 scales of shape {tuple(data.shape[:-1])} "
             f"(data's shape without H), got {describe(scale)}"
         )
+
+
+def _check_kivi(fn: str, name: str, pages) -> None:
+    data, grouping = pages.data, pages.grouping
+    shape = tuple(pages.shape)  # [*lead, P, C, H]
+    if grouping not in ("channel", "token"):
+        raise ValueError(
+            f"{fn}: {name}.grouping: expected 'channel' (keys) or 'token' (values), got "
+            f"{grouping!r}"
+        )
+    want = shape[:-2] + (shape[-1],) if grouping == "channel" else shape[:-1]
+    for part in ("scale", "zero"):
+        x = getattr(pages, part)
+        if not hasattr(x, "shape") or tuple(x.shape) != want or x.dtype != jnp.bfloat16:
+            raise ValueError(
+                f"{fn}: {name}.{part}: expected bfloat16 of shape {want} (kivi2, grouping "
+                f"{grouping!r}), got {describe(x)}"
+            )
+    res = pages.residual
+    if res is not None:
+        ok = hasattr(res, "shape") and res.ndim == data.ndim
+        ok = ok and tuple(res.shape[:-3]) == shape[:-3] and tuple(res.shape[-2:]) == shape[-2:]
+        if not ok or res.dtype != jnp.float32:
+            raise ValueError(
+                f"{fn}: {name}.residual: expected float32 [{', '.join(map(str, shape[:-3]))}"
+                f"{', ' if shape[:-3] else ''}B, {shape[-2]}, {shape[-1]}], got {describe(res)}"
+            )
+
+
+def check_residual_rows(fn: str, k_pages, v_pages, B: int) -> None:
+    """A kivi2 pool's residual has one row per sequence of the page table."""
+    for name, pool in (("k_pages", k_pages), ("v_pages", v_pages)):
+        res = getattr(pool, "residual", None)
+        if res is not None and res.shape[-3] != B:
+            raise ValueError(
+                f"{fn}: {name}.residual: expected one residual page per sequence (B={B} "
+                f"rows of page_table), got {res.shape[-3]}"
+            )
 
 
 def pool_kind(pages) -> str:

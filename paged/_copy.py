@@ -7,6 +7,7 @@ included, eagerly or under ``jit``. Plans are padded to a power-of-two length wi
 compiles once per power of two, not once per length.
 """
 
+import dataclasses
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -139,7 +140,13 @@ def _copy_pages_impl(cache, src, dst):
         data = jnp.where(ok, data, jnp.zeros((), pool.dtype))
         return pool.at[:, :, dst].set(data, mode="drop")
 
-    # A quantized pool copies its stored values and scales as they are (no re-quantization).
-    return cache._replace(
-        k_pages=jax.tree.map(one, cache.k_pages), v_pages=jax.tree.map(one, cache.v_pages)
-    )
+    # A quantized pool copies its stored values and scales as they are (no re-quantization);
+    # a kivi2 pool's residual belongs to sequence rows, not pages, and stays as it is.
+    def pool_copy(pool):
+        residual = getattr(pool, "residual", None)
+        if residual is None:
+            return jax.tree.map(one, pool)
+        copied = jax.tree.map(one, dataclasses.replace(pool, residual=None))
+        return dataclasses.replace(copied, residual=residual)
+
+    return cache._replace(k_pages=pool_copy(cache.k_pages), v_pages=pool_copy(cache.v_pages))

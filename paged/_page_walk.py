@@ -22,11 +22,13 @@ selects.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 import ringattn
-from paged._quantized import dequantize_block, is_quantized
+from paged import _kivi
+from paged._quantized import decode_pages, is_quantized
 from ringattn import finalize_online_softmax, init_online_softmax, update_online_softmax
 
 __all__ = ["KernelOptions", "attend_sequence", "kernel_options", "pad_table"]
@@ -102,9 +104,8 @@ def take_block(pool, ids, span: int):
     if quantized; ids already clamped into range)."""
     K, _, _, H = pool.shape
     if is_quantized(pool):
-        data = jnp.take(pool.data, ids, axis=1, mode="clip")  # [K, n, C, H]
-        scale = jnp.take(pool.scale, ids, axis=1, mode="clip")  # [K, n, C]
-        return dequantize_block(data, scale).reshape(K, span, H)
+        part = jax.tree.map(lambda x: jnp.take(x, ids, axis=1, mode="clip"), pool[:, :])
+        return decode_pages(part).reshape(K, span, H)  # [K, n, C, H] decoded
     return jnp.take(pool, ids, axis=1, mode="clip").reshape(K, span, H)
 
 
@@ -126,6 +127,8 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
     """
     K, P, C, H = k_pages.shape
     R, N, _ = q_rows.shape
+    residual_k = getattr(k_pages, "residual", None)
+    residual_v = getattr(v_pages, "residual", None)
     G = N // K
     GR = G * R
     ppb = opts.pages_per_block
@@ -167,6 +170,9 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
         kb = take_block(k_pages, ids, span)
         vb = take_block(v_pages, ids, span)
         kv_pos = j * span + jnp.arange(span, dtype=jnp.int32)
+        if residual_k is not None:  # kivi2: the open page is read from the residual
+            kb = _kivi.substitute_residual(kb, residual_k, kv_pos, length, C)
+            vb = _kivi.substitute_residual(vb, residual_v, kv_pos, length, C)
         token_ok = jnp.repeat(page_ok, C) & (kv_pos < length)  # [span]
         s = jnp.einsum("krh,ksh->krs", qh, kb, preferred_element_type=jnp.float32)
         s = s * opts.scale

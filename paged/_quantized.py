@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from paged import _kivi
+
 __all__ = [
     "KVFormat",
     "QuantizedPages",
@@ -50,8 +52,11 @@ __all__ = [
 _FORMATS = {
     "int8": (jnp.int8, 127.0),
     "fp8": (jnp.float8_e4m3fn, 448.0),
+    "kivi2": (jnp.uint8, 3.0),
 }
-_PLANNED = ("int4", "kivi2")
+_PLANNED = ("int4",)
+# Codes per stored byte along H.
+_PACK = {"kivi2": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +104,25 @@ class KVFormat:
         """Largest magnitude of a stored value: ``scale = absmax / qmax``."""
         return _FORMATS[self.kind][1]
 
-    def bytes_per_token(self, head_dim: int) -> int:
-        """Bytes one token takes per kv head, for keys or for values: ``H * itemsize + 4``."""
-        return int(head_dim) * self.storage_dtype.itemsize + 4
+    @property
+    def codes_per_byte(self) -> int:
+        """Stored values per byte of ``data`` along ``H`` (4 for ``kivi2``, else 1)."""
+        return _PACK.get(self.kind, 1)
+
+    def bytes_per_token(self, head_dim: int, page_size: int | None = None) -> int | float:
+        """Bytes one token takes per kv head, keys and values averaged.
+
+        int8 / fp8: ``H * itemsize + 4`` (one float32 scale). kivi2: keys ``H / 4 + 4 H / C``
+        (a bfloat16 scale and zero per channel per page of ``C = page_size`` tokens), values
+        ``H / 4 + 4`` (a bfloat16 pair per token), averaged; the residual page per sequence
+        is not per token and is not counted.
+        """
+        H = int(head_dim)
+        if self.kind == "kivi2":
+            if page_size is None:
+                raise ValueError("KVFormat.bytes_per_token: kivi2 needs page_size")
+            return (H / 4 + 4 * H / int(page_size) + H / 4 + 4) / 2
+        return H * self.storage_dtype.itemsize + 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +155,14 @@ class QuantizedPages:
     data: Any
     scale: Any
     format: KVFormat
+    zero: Any = None
+    residual: Any = None
+    grouping: str = "token"
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape)
+        shape = tuple(self.data.shape)
+        return shape[:-1] + (shape[-1] * self.format.codes_per_byte,)
 
     @property
     def ndim(self) -> int:
@@ -149,7 +174,9 @@ class QuantizedPages:
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes) + int(self.scale.nbytes)
+        """Bytes of the stored pages: data, scales and zero-points (not the residual)."""
+        zero = 0 if self.zero is None else int(self.zero.nbytes)
+        return int(self.data.nbytes) + int(self.scale.nbytes) + zero
 
     def __getitem__(self, index) -> "QuantizedPages":
         index = index if isinstance(index, tuple) else (index,)
@@ -159,16 +186,34 @@ class QuantizedPages:
                 f"QuantizedPages: index: expected indices of the axes before C (at most "
                 f"{self.data.ndim - 2}, no Ellipsis), got {index!r}"
             )
-        return QuantizedPages(self.data[index], self.scale[index], self.format)
+        zero = None if self.zero is None else self.zero[index]
+        # The residual ([*lead, B, C, H]) follows an index of the axes before the page axis
+        # only; a selection of pages carries no residual.
+        residual = None
+        if self.residual is not None and used <= self.data.ndim - 3:
+            residual = self.residual[index]
+        return QuantizedPages(
+            self.data[index], self.scale[index], self.format, zero, residual, self.grouping
+        )
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The decoded pool ``data * scale`` (a full copy: for tests and export)."""
-        return dequantize_block(self.data, self.scale).astype(dtype)
+        """The decoded stored pages (a full copy: for tests and export; without the
+        residual of a kivi2 pool, which :func:`paged.gather_kv` applies)."""
+        return decode_pages(self).astype(dtype)
 
 
 jax.tree_util.register_dataclass(
-    QuantizedPages, data_fields=["data", "scale"], meta_fields=["format"]
+    QuantizedPages,
+    data_fields=["data", "scale", "zero", "residual"],
+    meta_fields=["format", "grouping"],
 )
+
+
+def decode_pages(pool: QuantizedPages):
+    """All stored values of ``pool`` decoded to float32 ``[..., C, H]``."""
+    if pool.format.kind == "kivi2":
+        return _kivi.decode(pool.data, pool.scale, pool.zero, pool.grouping)
+    return dequantize_block(pool.data, pool.scale)
 
 
 def is_quantized(x) -> bool:
@@ -199,15 +244,21 @@ def dequantize_block(data, scale):
     return data.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 
-def quantize_pages(x: Float[Array, "*D C H"], kv_format: KVFormat) -> QuantizedPages:
+def quantize_pages(
+    x: Float[Array, "*D C H"], kv_format: KVFormat, *, role: str | None = None
+) -> QuantizedPages:
     """Quantizes a float pool (or any ``[..., C, H]`` array) into :class:`QuantizedPages`.
 
-    Each ``[H]`` vector (one token of one kv head) gets its own absmax scale. Jittable with
-    the format static.
+    int8 / fp8: each ``[H]`` vector (one token of one kv head) gets its own absmax scale.
+    kivi2: every ``[C, H]`` page is stored whole (keys per channel, values per token; no
+    residual: a pool quantized here has every page stored). Jittable with the format static.
 
     Args:
-      x: ``[*D, C, H]`` float values, e.g. a pool ``[K, P, C, H]``; rank >= 2.
+      x: ``[*D, C, H]`` float values, e.g. a pool ``[K, P, C, H]``; rank >= 2 (kivi2: rank
+        >= 3 and ``H`` a multiple of 4).
       kv_format: a :class:`KVFormat`.
+      role: kivi2 only (required there): ``"keys"`` (per channel over each page) or
+        ``"values"`` (per token).
 
     Returns:
       :class:`QuantizedPages` with ``data`` of ``x``'s shape and ``scale [*D, C]``.
@@ -232,6 +283,19 @@ def quantize_pages(x: Float[Array, "*D C H"], kv_format: KVFormat) -> QuantizedP
     ):
         got = f"shape {tuple(x.shape)} dtype {x.dtype}" if hasattr(x, "dtype") else repr(x)
         raise ValueError(f"{fn}: x: expected a float array [..., C, H], got {got}")
+    if kv_format.kind == "kivi2":
+        if role not in ("keys", "values"):
+            raise ValueError(f"{fn}: role: kivi2 needs role='keys' or 'values', got {role!r}")
+        if x.ndim < 3 or x.shape[-1] % 4:
+            raise ValueError(
+                f"{fn}: x: kivi2 needs [..., P, C, H] with H a multiple of 4, got shape "
+                f"{tuple(x.shape)}"
+            )
+        grouping = "channel" if role == "keys" else "token"
+        data, scale, zero = _kivi.encode(x, grouping)
+        return QuantizedPages(data, scale, kv_format, zero=zero, grouping=grouping)
+    if role is not None:
+        raise ValueError(f"{fn}: role: only kivi2 takes a role, got {role!r}")
     data, scale = quantize_values(x, kv_format)
     return QuantizedPages(data, scale, kv_format)
 
@@ -243,6 +307,8 @@ def set_tokens(pool, index, values):
     index applies to the data (``values [..., H]``) and to the scales (``[...]``).
     """
     if is_quantized(pool):
+        if pool.format.kind == "kivi2":
+            raise ValueError("set_tokens: a kivi2 pool is written through paged.write only")
         data, scale = quantize_values(values, pool.format)
         return QuantizedPages(
             pool.data.at[index].set(data, mode="drop"),
@@ -255,6 +321,5 @@ def set_tokens(pool, index, values):
 def take_decoded(pool, index):
     """``pool[index]``, decoded to float32 if quantized (``index`` stops before ``C``)."""
     if is_quantized(pool):
-        part = pool[index]
-        return dequantize_block(part.data, part.scale)
+        return decode_pages(pool[index])
     return pool[index]

@@ -27,6 +27,7 @@ from paged._attention import (
 )
 from paged._cache import PagedKVCache, gather_kv
 from paged._checks import (
+    check_residual_rows,
     check_array,
     check_heads,
     check_pages,
@@ -129,6 +130,7 @@ def paged_attention_reference(
     K, P, C, H = check_pages(fn, k_pages, v_pages)
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     _, M = check_table(fn, page_table, lengths, B)
+    check_residual_rows(fn, k_pages, v_pages, B)
     spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
     check_sinks(fn, sinks, N)
     q_pos = default_q_positions(fn, q_positions, jnp.asarray(lengths), B, T)
@@ -215,6 +217,7 @@ def ragged_paged_attention_reference(
     K, P, C, H = check_pages(fn, k_pages, v_pages)
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     B, M = check_table(fn, page_table, lengths, None)
+    check_residual_rows(fn, k_pages, v_pages, B)
     check_array(fn, "cu_q_lens", cu_q_lens, 1, jnp.integer)
     if tuple(cu_q_lens.shape) != (B + 1,):
         raise ValueError(f"{fn}: cu_q_lens: expected shape ({B + 1},), got {describe(cu_q_lens)}")

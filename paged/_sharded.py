@@ -151,6 +151,12 @@ def sharded_paged_attention(
     check_array(fn, "q", q, 4, jnp.floating)
     B, T, N, _ = q.shape
     K, P, C, H = check_pages(fn, k_pages, v_pages)
+    if getattr(k_pages, "format", None) is not None and k_pages.format.kind == "kivi2":
+        raise NotImplementedError(
+            f"{fn}: k_pages: kivi2 pools are not supported by the sharded decode yet (their "
+            f"per-sequence residual page would have to follow the sequence's last page); use "
+            f"int8 / fp8 / int4 here"
+        )
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     _, M = check_table(fn, page_table, lengths, B)
     if T < 1:

@@ -141,11 +141,23 @@ def _check_finite_tokens(cache: PagedKVCache) -> None:
     lengths = np.asarray(cache.lengths)
     C = cache.k_pages.shape[3]
     for name, pool in (("k_pages", cache.k_pages), ("v_pages", cache.v_pages)):
-        scale = np.asarray(pool.scale)  # [L, K, P, C]
+        kivi = pool.format.kind == "kivi2"
+        scale = np.asarray(pool.scale.astype(jnp.float32))  # [L, K, P, C] ([L, K, P, H] keys)
+        if kivi:  # stats and the residual: NaN / inf in any readable token shows up there
+            zero = np.asarray(pool.zero.astype(jnp.float32))
+            scale = scale + zero
+            if pool.grouping == "channel":
+                scale = np.repeat(np.max(scale, axis=-1, keepdims=True), C, axis=-1)
+            residual = np.asarray(pool.residual)  # [L, K, B, C, H]
         for b in range(table.shape[0]):
             pos = np.arange(int(lengths[b]))
             pages, offsets = table[b, pos // C], pos % C
-            bad = np.argwhere(~np.isfinite(scale[:, :, pages, offsets]))  # [L, K, n] hits
+            tokens = scale[:, :, pages, offsets]  # [L, K, n]
+            if kivi:
+                open_base = int(lengths[b]) // C * C
+                tail = np.max(residual[:, :, b, offsets], axis=-1)  # [L, K, n]
+                tokens = np.where(pos >= open_base, tail, tokens)
+            bad = np.argwhere(~np.isfinite(tokens))  # [L, K, n] hits
             if bad.size:
                 layer, head, i = bad[0]
                 raise ValueError(

@@ -83,7 +83,7 @@ def test_format_is_a_hashable_validated_config():
     assert KVFormat("int8").bytes_per_token(128) == 132 == KVFormat("fp8").bytes_per_token(128)
     with pytest.raises(ValueError, match="KVFormat: kind: expected one of"):
         KVFormat("int9")
-    for planned in ("int4", "kivi2"):
+    for planned in ("int4",):
         with pytest.raises(NotImplementedError, match=r"KVFormat: kind: .* not yet supported"):
             KVFormat(planned)
 

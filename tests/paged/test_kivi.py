@@ -1,0 +1,384 @@
+"""KIVI-style 2-bit pages (``KVFormat("kivi2")``): codes and their bound, the residual page
+(exact until the page fills, then stored whole), writes in any chunking agreeing, attention
+over a kivi2 cache against the oracles (on the decoded KV: tight; on the original KV: the
+format's bound), garbage in unreadable slots, validate, and the paths that refuse kivi2."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import offload
+import paged
+from paged import (
+    CopyPlan,
+    KVFormat,
+    append,
+    advance,
+    copy_pages,
+    gather_kv,
+    init_paged_cache,
+    paged_attention,
+    paged_attention_reference,
+    quantize_pages,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    with_page_table,
+    write,
+    write_layer,
+)
+from tests._util import assert_close, make_test_mesh
+
+FMT = KVFormat("kivi2")
+
+
+def kivi_bound(x, axis):
+    """The documented per-element bound over groups along ``axis`` of ``x`` (float64)."""
+    lo = np.min(x, axis=axis, keepdims=True)
+    hi = np.max(x, axis=axis, keepdims=True)
+    return (hi - lo) / 6 + (np.abs(lo) + np.abs(hi)) * 2.0**-8 + 1e-30
+
+
+@st.composite
+def pages_of(draw):
+    """``[D, C, H]`` float32 pages mixing random, zero, constant and outlier-channel data."""
+    # Few distinct shapes (each one compiles): sizes that cover one token, one channel group
+    # and a ragged page.
+    D, C, H = draw(st.sampled_from([(1, 1, 4), (2, 4, 8), (1, 7, 16), (3, 16, 4)]))
+    exponent = draw(st.integers(-20, 20))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    x = rng.standard_normal((D, C, H)) * 10.0**exponent
+    kind = draw(st.sampled_from(["random", "zero", "constant", "outlier_channel", "outlier"]))
+    if kind == "zero":
+        x[:] = 0.0
+    elif kind == "constant":
+        x[:] = draw(st.floats(-1e20, 1e20, allow_nan=False))
+    elif kind == "outlier_channel":
+        x[..., rng.integers(0, H)] *= 1e3
+    elif kind == "outlier":
+        x[rng.integers(0, D), rng.integers(0, C), rng.integers(0, H)] = 1e6 * 10.0**exponent
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("role", ["keys", "values"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=pages_of())
+def test_round_trip_is_within_the_bound(role, x):
+    pages = quantize_pages(jnp.asarray(x), FMT, role=role)
+    D, C, H = x.shape
+    assert pages.shape == x.shape and pages.data.shape == (D, C, H // 4)
+    assert pages.data.dtype == jnp.uint8 and pages.scale.dtype == jnp.bfloat16
+    stats = (D, H) if role == "keys" else (D, C)
+    assert pages.scale.shape == stats == pages.zero.shape
+    back = np.asarray(pages.dequantize(), np.float64)
+    x64 = x.astype(np.float64)
+    bound = kivi_bound(x64, -2 if role == "keys" else -1)
+    err = np.abs(back - x64)
+    assert np.all(err <= bound), f"max excess {np.max(err - bound):.3g}"
+    if np.all(x == 0):
+        np.testing.assert_array_equal(back, 0.0)
+
+
+def test_codes_pack_four_to_a_byte_and_decode_exactly_on_the_grid():
+    # Per-token values on the grid zero + q * scale with q in 0..3 decode exactly.
+    q = np.array([[[0, 1, 2, 3, 3, 2, 1, 0]]], np.float32)  # [1, 1, 8]
+    pages = quantize_pages(jnp.asarray(0.5 + 0.25 * q), FMT, role="values")
+    assert pages.data.shape == (1, 1, 2)
+    assert pages.data[0, 0, 0] == 0 | 1 << 2 | 2 << 4 | 3 << 6
+    np.testing.assert_array_equal(np.asarray(pages.dequantize()), 0.5 + 0.25 * q)
+
+
+def test_outlier_channel_only_costs_its_own_channel_for_keys():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 16, 8)).astype(np.float32)
+    x[..., 3] *= 1000.0  # the outlier channels KIVI quantizes keys per channel for
+    keys = np.asarray(quantize_pages(jnp.asarray(x), FMT, role="keys").dequantize())
+    tokens = np.asarray(quantize_pages(jnp.asarray(x), FMT, role="values").dequantize())
+    others = [c for c in range(8) if c != 3]
+    err_keys = np.abs(keys - x)[..., others].max()
+    err_tokens = np.abs(tokens - x)[..., others].max()
+    assert err_keys < 1.0 and err_tokens > 4 * err_keys  # per token, the outlier sets the step
+
+
+def test_bytes_per_token_meet_the_target_with_bf16_stats():
+    # H = 128: keys 32 + 4 * 128 / C, values 32 + 4 bytes, against bf16's 256 each.
+    for C, want in ((16, 100.0), (32, 84.0), (64, 76.0)):
+        assert FMT.bytes_per_token(128, page_size=C) * 2 == want
+    cache = init_paged_cache(1, 1, 9, 64, 128, batch=1, max_pages_per_seq=8, kv_format=FMT)
+    per_token = (cache.k_pages.nbytes + cache.v_pages.nbytes) / (9 * 64)
+    assert per_token == 76.0 and per_token / (2 * 128 * 2) <= 0.16
+    assert cache.k_pages.residual.shape == (1, 1, 1, 64, 128)
+    with pytest.raises(ValueError, match="needs page_size"):
+        FMT.bytes_per_token(128)
+
+
+# --- the cache: residual, chunking ---------------------------------------------------------
+
+
+def _cache(L=2, K=2, P=20, C=4, H=8, B=3, M=6):
+    rng = np.random.default_rng(1)
+    table = np.zeros((B, M), np.int32)
+    ids = rng.permutation(np.arange(1, P))[: B * M].reshape(B, M)
+    table[:] = ids
+    cache = init_paged_cache(L, K, P, C, H, batch=B, max_pages_per_seq=M, kv_format=FMT)
+    return with_page_table(cache, jnp.asarray(table))
+
+
+def _kv(rng, L, B, T, K, H):
+    return (
+        jnp.asarray(rng.standard_normal((L, B, T, K, H)), jnp.float32),
+        jnp.asarray(rng.standard_normal((L, B, T, K, H)), jnp.float32),
+    )
+
+
+def test_residual_is_exact_and_full_pages_are_stored_whole():
+    cache = _cache()
+    L, K, P, C, H = cache.k_pages.shape
+    B = cache.page_table.shape[0]
+    rng = np.random.default_rng(2)
+    T = 10  # pages 0, 1 full, page 2 holds 2 tokens in the residual
+    k, v = _kv(rng, L, B, T, K, H)
+    cache = write(cache, k, v, 0)
+    np.testing.assert_array_equal(cache.lengths, [T] * B)
+    for layer in range(L):
+        kg, vg = gather_kv(cache, layer)
+        for got, x, role in ((kg, k, "keys"), (vg, v, "values")):
+            x = np.asarray(x[layer])  # [B, T, K, H]
+            got = np.asarray(got)
+            np.testing.assert_array_equal(got[:, 8:T], x[:, 8:T])  # the residual: exact
+            np.testing.assert_array_equal(got[:, T:], 0.0)
+            # Full pages equal quantize_pages of the same page (keys over its 4 tokens).
+            pages = x[:, :8].reshape(B, 2, C, K, H).transpose(0, 1, 3, 2, 4)
+            want = np.asarray(quantize_pages(jnp.asarray(pages), FMT, role=role).dequantize())
+            want = want.transpose(0, 1, 3, 2, 4).reshape(B, 8, K, H)
+            np.testing.assert_array_equal(got[:, :8], want)
+
+
+@pytest.mark.parametrize("chunks", [[13], [1] * 13, [3, 1, 5, 4], [4, 4, 4, 1], [2, 11]])
+def test_any_chunking_of_appends_gives_the_same_cache(chunks):
+    base = _cache()
+    L, K, P, C, H = base.k_pages.shape
+    B = base.page_table.shape[0]
+    rng = np.random.default_rng(3)
+    k, v = _kv(rng, L, B, sum(chunks), K, H)
+    whole = write(base, k, v, 0)
+    cache, start = base, 0
+    for n in chunks:
+        if n == 1:
+            cache = append(cache, k[:, :, start], v[:, :, start])
+        else:
+            cache = write(cache, k[:, :, start : start + n], v[:, :, start : start + n], start)
+        start += n
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_write_layer_then_advance_equals_write():
+    base = _cache()
+    L, K, P, C, H = base.k_pages.shape
+    B = base.page_table.shape[0]
+    rng = np.random.default_rng(4)
+    k, v = _kv(rng, L, B, 6, K, H)
+    whole = write(write(base, k[:, :, :5], v[:, :, :5], 0), k[:, :, 5:], v[:, :, 5:], 5)
+    cache = write(base, k[:, :, :5], v[:, :, :5], 0)
+    step = jax.jit(write_layer)
+    for layer in range(L):
+        cache = step(cache, layer, k[layer, :, 5:], v[layer, :, 5:], cache.lengths)
+    cache = advance(cache, 1)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # An out-of-range layer drops its tokens.
+    same = step(whole, jnp.int32(L), k[0, :, 5:], v[0, :, 5:], whole.lengths)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(same)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_ragged_lengths_and_writes_past_capacity():
+    cache = _cache(M=3)  # capacity 12
+    L, K, P, C, H = cache.k_pages.shape
+    B = cache.page_table.shape[0]
+    rng = np.random.default_rng(5)
+    k, v = _kv(rng, L, B, 5, K, H)
+    start = jnp.array([0, 3, 9])  # the last sequence runs past capacity (dropped)
+    cache = write(cache, k, v, start)
+    np.testing.assert_array_equal(cache.lengths, [5, 8, 12])
+    kg, _ = gather_kv(cache, 1)
+    kg, x = np.asarray(kg), np.asarray(k[1])
+    np.testing.assert_array_equal(kg[0, 4], x[0, 4])  # residual of sequence 0
+    np.testing.assert_array_equal(kg[0, 5:], 0.0)
+    # Positions 0..2 were never written (zeros) but share page 0 with position 3, which is
+    # stored whole once full: they decode within the page's bound, not exactly.
+    want = np.concatenate([np.zeros_like(x[1, :3]), x[1]])
+    assert np.abs(kg[1, :8] - want).max() < 3.0
+    assert np.abs(kg[2, 9:12] - x[2, :3]).max() < 3.0  # page 2 filled: stored whole
+
+
+# --- attention ---------------------------------------------------------------------------
+
+
+def _filled(rng, T=23, N=4, **kw):
+    cache = _cache(**kw)
+    L, K, P, C, H = cache.k_pages.shape
+    B = cache.page_table.shape[0]
+    k, v = _kv(rng, L, B, T, K, H)
+    cache = write(cache, k, v, 0)
+    lengths = jnp.array([T, 13, 0][:B])
+    return cache._replace(lengths=lengths), k, v
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True}, {"window": 5}, {"softcap": 2.0}, {"causal": True, "window": 3}],
+)
+@pytest.mark.parametrize("T", [1, 3])
+def test_paged_attention_over_a_kivi2_cache(options, T):
+    rng = np.random.default_rng(6)
+    cache, k, v = _filled(rng)
+    N, H = 4, cache.k_pages.shape[-1]
+    B = cache.page_table.shape[0]
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    for layer in range(cache.k_pages.shape[0]):
+        kp, vp = cache.k_pages[layer], cache.v_pages[layer]
+        args = (q, kp, vp, cache.page_table, cache.lengths)
+        got = paged_attention(*args, pages_per_block=2, return_page_mass=True, **options)
+        ref = paged_attention_reference(*args, return_page_mass=True, **options)
+        assert_close(got.out, ref.out, dtype=jnp.float32)
+        assert_close(got.page_mass, ref.page_mass, dtype=jnp.float32)
+        # Against the original KV: within the bound the decoded errors imply (logits move
+        # by at most delta = scale * |q|_1 * max|k - k'|, probabilities by exp(+-2 delta)).
+        float_cache = init_paged_cache(1, *cache.k_pages.shape[1:], batch=B, max_pages_per_seq=6)
+        float_cache = with_page_table(float_cache, cache.page_table)
+        float_cache = write(float_cache, k[layer : layer + 1], v[layer : layer + 1], 0)
+        float_cache = float_cache._replace(lengths=cache.lengths)
+        fk, fv = float_cache.k_pages[0], float_cache.v_pages[0]
+        exact = paged_attention_reference(q, fk, fv, cache.page_table, cache.lengths, **options)
+        kd, vd = (np.asarray(x, np.float64) for x in gather_kv(cache, layer))
+        ko, vo = (np.asarray(x, np.float64) for x in gather_kv(float_cache, 0))
+        delta = np.max(np.sum(np.abs(np.asarray(q, np.float64)), -1)) * np.max(np.abs(kd - ko))
+        delta /= np.sqrt(H)
+        if "softcap" in options:
+            delta = min(delta, 2 * options["softcap"])
+        bound = np.max(np.abs(vd - vo)) + (np.exp(2 * delta) - 1) * np.max(np.abs(vd)) + 1e-5
+        err = np.abs(np.asarray(got.out) - np.asarray(exact.out))
+        assert np.max(err) <= bound
+
+
+def test_ragged_attention_over_a_kivi2_cache():
+    rng = np.random.default_rng(7)
+    cache, _, _ = _filled(rng)
+    N, H = 4, cache.k_pages.shape[-1]
+    q_lens = np.array([3, 1, 0])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((int(q_lens.sum()), N, H)), jnp.float32)
+    args = (q, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths, cu, 3)
+    got = ragged_paged_attention(*args, causal=True, queries_per_block=2)
+    ref = ragged_paged_attention_reference(*args, causal=True)
+    assert_close(got.out, ref.out, dtype=jnp.float32)
+
+
+def test_garbage_in_unreadable_slots_has_no_effect():
+    rng = np.random.default_rng(8)
+    cache, _, _ = _filled(rng)
+    B, N, H = 3, 4, cache.k_pages.shape[-1]
+    q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
+    clean = paged_attention(q, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths)
+    C = cache.page_size
+    kp, vp = cache.k_pages, cache.v_pages
+    # NaN in the residual past each length, in pages no table row reaches, and in the stored
+    # page under each open residual page.
+    res_k = np.array(kp.residual)
+    for b, n in enumerate(np.asarray(cache.lengths)):
+        res_k[:, :, b, n % C :] = np.nan
+    table = np.asarray(cache.page_table)
+    unused = np.setdiff1d(np.arange(1, kp.shape[2]), table)
+    scale = np.array(kp.scale.astype(jnp.float32))
+    scale[:, :, unused] = np.nan
+    for b, n in enumerate(np.asarray(cache.lengths)):
+        if n % C:
+            scale[:, :, table[b, n // C]] = np.nan
+    import dataclasses
+
+    kp = dataclasses.replace(
+        kp, residual=jnp.asarray(res_k), scale=jnp.asarray(scale, jnp.bfloat16)
+    )
+    dirty = paged_attention(q, kp[0], vp[0], cache.page_table, cache.lengths)
+    np.testing.assert_array_equal(np.asarray(dirty.out), np.asarray(clean.out))
+
+
+def test_jit_and_vmap_over_kivi2_caches():
+    rng = np.random.default_rng(9)
+    caches = [_filled(np.random.default_rng(s))[0] for s in (10, 11)]
+    stack = jax.tree.map(lambda *x: jnp.stack(x), *caches)
+    N, H = 4, caches[0].k_pages.shape[-1]
+    q = jnp.asarray(rng.standard_normal((2, 3, 1, N, H)), jnp.float32)
+
+    def attend(q, c):
+        return paged_attention(q, c.k_pages[0], c.v_pages[0], c.page_table, c.lengths).out
+
+    got = jax.jit(jax.vmap(attend))(q, stack)
+    for i, c in enumerate(caches):
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(attend(q[i], c)), atol=1e-6)
+
+
+# --- validate, copies and the paths that refuse kivi2 -----------------------------------
+
+
+def test_validate_rejects_nan_written_into_a_stored_page_or_the_residual():
+    for position in (1, 9):  # a stored page (0..7) and the residual (8, 9)
+        cache = _cache()
+        L, K, P, C, H = cache.k_pages.shape
+        B = cache.page_table.shape[0]
+        k, v = _kv(np.random.default_rng(12), L, B, 10, K, H)
+        k = k.at[1, 2, position, 0, 3].set(jnp.nan)
+        cache = write(cache, k, v, 0)
+        with pytest.raises(ValueError, match="validate: k_pages: expected finite values"):
+            paged.validate(cache)
+    paged.validate(write(_cache(), *_kv(np.random.default_rng(12), 2, 3, 10, 2, 8), 0))
+
+
+def test_copy_pages_copies_stored_pages_and_keeps_the_residual():
+    rng = np.random.default_rng(13)
+    cache, _, _ = _filled(rng)
+    src = int(cache.page_table[0, 0])
+    free = np.setdiff1d(np.arange(1, cache.k_pages.shape[2]), np.asarray(cache.page_table))
+    dst = int(free[0])
+    out = copy_pages(cache, CopyPlan.from_pairs([(src, dst)]))
+    for a, b in ((out.k_pages, cache.k_pages), (out.v_pages, cache.v_pages)):
+        np.testing.assert_array_equal(
+            np.asarray(a.dequantize()[:, :, dst]), np.asarray(b.dequantize()[:, :, src])
+        )
+        np.testing.assert_array_equal(np.asarray(a.residual), np.asarray(b.residual))
+
+
+@pytest.mark.no_typecheck
+def test_errors_name_the_argument():
+    x = jnp.ones((2, 4, 8))
+    with pytest.raises(ValueError, match="quantize_pages: role: kivi2 needs"):
+        quantize_pages(x, FMT)
+    with pytest.raises(ValueError, match="quantize_pages: role: only kivi2"):
+        quantize_pages(x, KVFormat("int8"), role="keys")
+    with pytest.raises(ValueError, match="quantize_pages: x: kivi2 needs"):
+        quantize_pages(jnp.ones((2, 4, 6)), FMT, role="keys")
+    with pytest.raises(ValueError, match="init_paged_cache: head_dim: kivi2"):
+        init_paged_cache(1, 1, 4, 4, 6, batch=1, max_pages_per_seq=2, kv_format=FMT)
+    cache = _cache()
+    q = jnp.ones((2, 1, 4, 8))
+    with pytest.raises(ValueError, match="paged_attention: k_pages.residual: expected one"):
+        paged_attention(
+            q, cache.k_pages[0], cache.v_pages[0], cache.page_table[:2], cache.lengths[:2]
+        )
+    mesh = make_test_mesh((2,), ("seq",), axis_type=jax.sharding.AxisType.Explicit)
+    with pytest.raises(NotImplementedError, match="sharded_paged_attention: k_pages: kivi2"):
+        paged.sharded_paged_attention(
+            jnp.ones((3, 1, 4, 8)),
+            cache.k_pages[0],
+            cache.v_pages[0],
+            cache.page_table,
+            cache.lengths,
+            mesh=mesh,
+            seq_axis="seq",
+        )
+    with pytest.raises(NotImplementedError, match="kivi2 pools are not supported by offload"):
+        offload.make_host_page_pool(cache.k_pages, cache.v_pages, 4)
