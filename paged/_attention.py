@@ -46,10 +46,10 @@ from jaxtyping import Array, Float, Int
 
 import ringattn
 from paged._checks import (
-    check_residual_rows,
     check_array,
     check_heads,
     check_pages,
+    check_residual_rows,
     check_table,
     describe,
     int_option,

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from paged._checks import check_array, describe, int_option, is_int, layer_index
 from paged import _kivi
+from paged._checks import check_array, describe, int_option, is_int, layer_index
 from paged._quantized import KVFormat, QuantizedPages, is_quantized, set_tokens, take_decoded
 
 __all__ = [

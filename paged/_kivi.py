@@ -109,7 +109,7 @@ def write_tokens(pool, table, lengths, x, start, layers, capacity: int):
     """Writes ``x [Lw, B, T, K, H]`` at ``start [B]`` into layers ``layers [Lw]`` of a kivi2
     cache pool ``[L, K, P, C, H]`` (see the module docs). ``lengths [B]`` are the lengths
     before the write; a layer id ``>= L`` drops its rows. Returns the new pool."""
-    from paged._quantized import QuantizedPages  # noqa: PLC0415 (a cycle otherwise)
+    from paged._quantized import QuantizedPages
 
     L, K, P, C, H = pool.shape
     Lw, B, T = x.shape[:3]

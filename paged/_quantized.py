@@ -162,7 +162,7 @@ class QuantizedPages:
     @property
     def shape(self) -> tuple[int, ...]:
         shape = tuple(self.data.shape)
-        return shape[:-1] + (shape[-1] * self.format.codes_per_byte,)
+        return (*shape[:-1], shape[-1] * self.format.codes_per_byte)
 
     @property
     def ndim(self) -> int:

@@ -27,10 +27,10 @@ from paged._attention import (
 )
 from paged._cache import PagedKVCache, gather_kv
 from paged._checks import (
-    check_residual_rows,
     check_array,
     check_heads,
     check_pages,
+    check_residual_rows,
     check_table,
     describe,
     pool_dtype,

@@ -15,8 +15,8 @@ import paged
 from paged import (
     CopyPlan,
     KVFormat,
-    append,
     advance,
+    append,
     copy_pages,
     gather_kv,
     init_paged_cache,
@@ -171,7 +171,7 @@ def test_any_chunking_of_appends_gives_the_same_cache(chunks):
         else:
             cache = write(cache, k[:, :, start : start + n], v[:, :, start : start + n], start)
         start += n
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(cache)):
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(cache), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -187,11 +187,11 @@ def test_write_layer_then_advance_equals_write():
     for layer in range(L):
         cache = step(cache, layer, k[layer, :, 5:], v[layer, :, 5:], cache.lengths)
     cache = advance(cache, 1)
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(cache)):
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(cache), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # An out-of-range layer drops its tokens.
     same = step(whole, jnp.int32(L), k[0, :, 5:], v[0, :, 5:], whole.lengths)
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(same)):
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(same), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -365,7 +365,7 @@ def test_errors_name_the_argument():
         init_paged_cache(1, 1, 4, 4, 6, batch=1, max_pages_per_seq=2, kv_format=FMT)
     cache = _cache()
     q = jnp.ones((2, 1, 4, 8))
-    with pytest.raises(ValueError, match="paged_attention: k_pages.residual: expected one"):
+    with pytest.raises(ValueError, match=r"paged_attention: k_pages\.residual: expected one"):
         paged_attention(
             q, cache.k_pages[0], cache.v_pages[0], cache.page_table[:2], cache.lengths[:2]
         )
