@@ -68,7 +68,7 @@ from paged._device_alloc import (
 )
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
-from paged._quantized import KVFormat, QuantizedPages, quantize_pages
+from paged._quantized import KVFormat, QuantizedPages, quantize_pages, select_rows
 from paged._reference import paged_attention_reference, ragged_paged_attention_reference
 from paged._sharded import sharded_paged_attention
 from paged._validate import from_zero_based_table, validate, validate_page_table
@@ -99,6 +99,7 @@ __all__ = [
     "pop_pages",
     "push_pages",
     "quantize_pages",
+    "select_rows",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "sharded_paged_attention",

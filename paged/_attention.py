@@ -156,11 +156,13 @@ def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, *, opt
 
 def sequence_view(pool, b):
     """``pool`` as sequence ``b`` reads it: a kivi2 pool's residual narrowed to row ``b``
-    (``[K, B, C, H] -> [K, C, H]``); any other pool as it is."""
+    (``[K, B, C, H] -> [K, C, H]``, its written length ``[K, B] -> []``); any other pool as
+    it is."""
     if getattr(pool, "residual", None) is None:
         return pool
     residual = lax.dynamic_index_in_dim(pool.residual, b, axis=1, keepdims=False)
-    return dataclasses.replace(pool, residual=residual)
+    filled = lax.dynamic_index_in_dim(pool.residual_len, b, axis=1, keepdims=False)
+    return dataclasses.replace(pool, residual=residual, residual_len=filled[0])
 
 
 def finish(out, lse, mass_rows, sinks, dtype) -> PagedAttentionOutput:

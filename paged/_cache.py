@@ -161,6 +161,7 @@ def init_paged_cache(
                 kv_format,
                 zero=jnp.zeros(stats, jnp.bfloat16),
                 residual=jnp.zeros((L, K, B, C, H), jnp.float32),
+                residual_len=jnp.zeros((L, K, B), jnp.int32),
                 grouping=grouping,
             )
 
@@ -220,11 +221,12 @@ def _start_positions(fn: str, start, B: int, name: str = "start"):
     return jnp.broadcast_to(start.astype(jnp.int32), (B,))
 
 
-def _target_pages(cache: PagedKVCache, start, T: int):
+def _target_pages(cache: PagedKVCache, start, T: int, count=None):
     """Page ids and in-page offsets ``[B, T]`` of positions ``start ... start + T - 1``.
 
-    Unwritable tokens (negative position, slot past the table, null or out-of-range page) get
-    page id ``P``, which a ``mode="drop"`` scatter ignores (a negative id would wrap).
+    Unwritable tokens (negative position, slot past the table, null or out-of-range page,
+    past ``count [B]``) get page id ``P``, which a ``mode="drop"`` scatter ignores (a
+    negative id would wrap).
     """
     P, C = cache.k_pages.shape[2], cache.k_pages.shape[3]
     M = cache.page_table.shape[1]
@@ -233,6 +235,8 @@ def _target_pages(cache: PagedKVCache, start, T: int):
     in_table = (pos >= 0) & (slot < M)
     ids = jnp.take_along_axis(cache.page_table, jnp.clip(slot, 0, M - 1), axis=1)
     ok = in_table & (ids > 0) & (ids < P)
+    if count is not None:
+        ok &= jnp.arange(T)[None, :] < count[:, None]
     return jnp.where(ok, ids, P), pos % C
 
 
@@ -242,6 +246,8 @@ def write_layer(
     k: Float[Array, "B T K H"] | Float[Array, "B K H"],
     v: Float[Array, "B T K H"] | Float[Array, "B K H"],
     start: Int[Array, " B"] | Int[Array, ""] | IntScalar,
+    *,
+    count: Int[Array, " B"] | Int[Array, ""] | IntScalar | None = None,
 ) -> PagedKVCache:
     """Writes one layer's KV for positions ``start ... start + T - 1``; lengths unchanged.
 
@@ -254,12 +260,15 @@ def write_layer(
       k: ``[B, T, K, H]`` keys (or ``[B, K, H]`` for one token).
       v: ``[B, T, K, H]`` values (or ``[B, K, H]``).
       start: ``[B]`` or scalar int position of the first token, e.g. ``cache.lengths``.
+      count: ``[B]`` or scalar int: write only the first ``count`` tokens of each row (the
+        rest of a padded chunk is dropped); None writes all ``T``. A kivi2 cache needs it for
+        padded chunks: its pages are stored once full, and padding would fill them.
 
     Returns:
       The updated cache. Tokens without a real page are dropped (see module docs).
 
     Raises:
-      ValueError: on shapes that do not match the cache, or a bad ``layer``.
+      ValueError: on shapes that do not match the cache, or a bad ``layer`` or ``count``.
 
     Example:
       >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
@@ -273,19 +282,26 @@ def write_layer(
     k, v = _check_kv(fn, cache, k, v, per_layer=True)
     B, T = k.shape[:2]
     start = _start_positions(fn, start, B)
-    return _write_layer_impl(cache, jnp.asarray(layer, jnp.int32), k, v, start)
+    count = _count(fn, count, B, T)
+    return _write_layer_impl(cache, jnp.asarray(layer, jnp.int32), k, v, start, count)
+
+
+def _count(fn: str, count, B: int, T: int):
+    if count is None:
+        return jnp.full((B,), T, jnp.int32)
+    return jnp.clip(_start_positions(fn, count, B, "count"), 0, T)
 
 
 @jax.jit
-def _write_layer_impl(cache, layer, k, v, start):
-    ids, offset = _target_pages(cache, start, k.shape[1])
+def _write_layer_impl(cache, layer, k, v, start, count):
+    ids, offset = _target_pages(cache, start, k.shape[1], count)
     L = cache.k_pages.shape[0]
     layer = jnp.where((layer >= 0) & (layer < L), layer, L)  # out of range: dropped
     if _is_kivi(cache):
         layers = jnp.reshape(layer, (1,))
         return cache._replace(
-            k_pages=_kivi_write(cache, cache.k_pages, k[None], start, layers),
-            v_pages=_kivi_write(cache, cache.v_pages, v[None], start, layers),
+            k_pages=_kivi_write(cache, cache.k_pages, k[None], start, count, layers),
+            v_pages=_kivi_write(cache, cache.v_pages, v[None], start, count, layers),
         )
     # Index [layer, :, ids, offset]: the advanced indices broadcast to [B, T] and lead.
     index = (layer, slice(None), ids, offset)
@@ -352,18 +368,23 @@ def write(
     k: Float[Array, "L B T K H"] | Float[Array, "L B K H"],
     v: Float[Array, "L B T K H"] | Float[Array, "L B K H"],
     start: Int[Array, " B"] | Int[Array, ""] | IntScalar,
+    *,
+    count: Int[Array, " B"] | Int[Array, ""] | IntScalar | None = None,
 ) -> PagedKVCache:
     """Writes a chunk for every layer at ``start ... start + T - 1`` (prefill).
 
     Jittable as it is (``jax.jit(write)``).
 
-    ``lengths`` becomes ``max(lengths, start + T)`` (clipped to capacity).
+    ``lengths`` becomes ``max(lengths, start + T)`` (with ``count``: ``start + count``, rows
+    with ``count == 0`` keeping theirs), clipped to capacity.
 
     Args:
       cache: the cache.
       k: ``[L, B, T, K, H]`` keys (or ``[L, B, K, H]`` for one token).
       v: ``[L, B, T, K, H]`` values.
       start: ``[B]`` or scalar int first position.
+      count: ``[B]`` or scalar int tokens of each row to write (the rest is dropped); None
+        writes all ``T`` (see :func:`write_layer`).
 
     Returns:
       The updated cache (unwritable tokens dropped, see module docs).
@@ -380,28 +401,30 @@ def write(
     fn = "write"
     k, v = _check_kv(fn, cache, k, v, per_layer=False)
     start = _start_positions(fn, start, k.shape[1])
-    return _write_impl(cache, k, v, start)
+    given = count is not None
+    count = _count(fn, count, k.shape[1], k.shape[2])
+    return _write_impl(cache, k, v, start, count, given)
 
 
-@jax.jit
-def _write_impl(cache, k, v, start):
+@functools.partial(jax.jit, static_argnums=5)
+def _write_impl(cache, k, v, start, count, given: bool):
     L, _, T = k.shape[:3]
+    end = jnp.where(count > 0, start + count, cache.lengths) if given else start + T
+    lengths = jnp.clip(jnp.maximum(cache.lengths, end), 0, cache.capacity)
     if _is_kivi(cache):
         layers = jnp.arange(L, dtype=jnp.int32)
-        lengths = jnp.clip(jnp.maximum(cache.lengths, start + T), 0, cache.capacity)
         return PagedKVCache(
-            _kivi_write(cache, cache.k_pages, k, start, layers),
-            _kivi_write(cache, cache.v_pages, v, start, layers),
+            _kivi_write(cache, cache.k_pages, k, start, count, layers),
+            _kivi_write(cache, cache.v_pages, v, start, count, layers),
             cache.page_table,
             lengths,
         )
-    ids, offset = _target_pages(cache, start, T)
+    ids, offset = _target_pages(cache, start, T, count)
     # [L, :, ids, offset] -> indexed shape [L, B, T, K, H] (advanced dims after the slice).
     layers = jnp.arange(L)[:, None, None]
     index = (layers, slice(None), ids[None], offset[None])
     k_pages = set_tokens(cache.k_pages, index, k)
     v_pages = set_tokens(cache.v_pages, index, v)
-    lengths = jnp.clip(jnp.maximum(cache.lengths, start + T), 0, cache.capacity)
     return PagedKVCache(k_pages, v_pages, cache.page_table, lengths)
 
 
@@ -409,10 +432,8 @@ def _is_kivi(cache) -> bool:
     return is_quantized(cache.k_pages) and cache.k_pages.format.kind == "kivi2"
 
 
-def _kivi_write(cache, pool, x, start, layers):
-    return _kivi.write_tokens(
-        pool, cache.page_table, cache.lengths, x, start, layers, cache.capacity
-    )
+def _kivi_write(cache, pool, x, start, count, layers):
+    return _kivi.write_tokens(pool, cache.page_table, x, start, count, layers, cache.capacity)
 
 
 def gather_kv(
@@ -453,8 +474,9 @@ def _gather_kv_impl(cache, layer):
         residual = getattr(pool, "residual", None)
         if residual is not None:  # kivi2: each sequence's open page from its residual
             res = residual[layer].transpose(1, 2, 0, 3)  # [B, C, K, H]
-            base = (cache.lengths // C) * C
-            in_tail = (pos[None] >= base[:, None]) & (pos[None] < cache.lengths[:, None])
+            filled = pool.residual_len[layer, 0]  # [B] tokens written to the layer
+            base = (filled // C) * C
+            in_tail = (pos[None] >= base[:, None]) & (pos[None] < filled[:, None])
             idx = jnp.clip(pos[None] - base[:, None], 0, C - 1)
             tail = jnp.take_along_axis(res, idx[:, :, None, None], axis=1)
             x = jnp.where(in_tail[:, :, None, None], tail, x)
@@ -473,6 +495,12 @@ def with_page_table(
     ``paged.PageAllocator.page_table(seqs)`` and ``.lengths(seqs)`` (numpy int32) go in as
     they are; the pools are untouched. Jittable as it is (``jax.jit(with_page_table)``).
     Only shapes are checked; :func:`paged.validate` checks the ids eagerly.
+
+    A kivi2 cache given ``lengths`` also re-seats each row's residual page (the tokens of a
+    row's open page, in full precision): a row whose open page stays keeps its residual, cut
+    at the new length; any other row (a new sequence, a prefix hit, a truncation) takes it
+    from the page stored at its new open page. Page-aligned lengths (the allocator's prefix
+    hits) need nothing stored.
 
     Args:
       cache: the cache.
@@ -503,6 +531,7 @@ def with_page_table(
             f"{fn}: page_table: expected the cache's shape [B, M] = "
             f"{tuple(cache.page_table.shape)}, got {describe(page_table)}"
         )
+    given = lengths is not None
     if lengths is None:
         lengths = cache.lengths
     check_array(fn, "lengths", lengths, 1, jnp.integer)
@@ -510,6 +539,17 @@ def with_page_table(
         raise ValueError(
             f"{fn}: lengths: expected shape {tuple(cache.lengths.shape)}, got {describe(lengths)}"
         )
-    return cache._replace(
+    cache = cache._replace(
         page_table=jnp.asarray(page_table, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32)
+    )
+    if given and _is_kivi(cache):
+        cache = _reseat(cache)
+    return cache
+
+
+@jax.jit
+def _reseat(cache):
+    return cache._replace(
+        k_pages=_kivi.reseat(cache.k_pages, cache.page_table, cache.lengths),
+        v_pages=_kivi.reseat(cache.v_pages, cache.page_table, cache.lengths),
     )

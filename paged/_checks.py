@@ -124,6 +124,8 @@ def _check_kivi(fn: str, name: str, pages) -> None:
                 f"{grouping!r}), got {describe(x)}"
             )
     res = pages.residual
+    if (res is None) != (pages.residual_len is None):
+        raise ValueError(f"{fn}: {name}: expected residual and residual_len both set or both None")
     if res is not None:
         ok = hasattr(res, "shape") and res.ndim == data.ndim
         ok = ok and tuple(res.shape[:-3]) == shape[:-3] and tuple(res.shape[-2:]) == shape[-2:]
@@ -131,6 +133,12 @@ def _check_kivi(fn: str, name: str, pages) -> None:
             raise ValueError(
                 f"{fn}: {name}.residual: expected float32 [{', '.join(map(str, shape[:-3]))}"
                 f"{', ' if shape[:-3] else ''}B, {shape[-2]}, {shape[-1]}], got {describe(res)}"
+            )
+        filled = pages.residual_len
+        if tuple(filled.shape) != tuple(res.shape[:-2]) or filled.dtype != jnp.int32:
+            raise ValueError(
+                f"{fn}: {name}.residual_len: expected int32 of shape {tuple(res.shape[:-2])}, "
+                f"got {describe(filled)}"
             )
 
 

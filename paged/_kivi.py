@@ -39,7 +39,6 @@ from its decoded values (lossy again); appends never do.
 """
 
 import jax.numpy as jnp
-from jax import lax
 
 __all__ = [
     "decode",
@@ -96,19 +95,20 @@ def decode(data, scale, zero, grouping: str):
     return z + q * s
 
 
-def substitute_residual(block, residual, kv_pos, length, page_size: int):
+def substitute_residual(block, residual, kv_pos, filled, page_size: int):
     """``block [K, S, H]`` keys or values at positions ``kv_pos [S]`` with those of the open
-    page (``[C * (length // C), length)``) taken from ``residual [K, C, H]``."""
-    base = (length // page_size) * page_size
-    in_tail = (kv_pos >= base) & (kv_pos < length)
+    page (``[C * (filled // C), filled)``) taken from ``residual [K, C, H]``; ``filled`` is
+    the row's written length (``residual_len``), whatever length the query reads to."""
+    base = (filled // page_size) * page_size
+    in_tail = (kv_pos >= base) & (kv_pos < filled)
     idx = jnp.clip(kv_pos - base, 0, page_size - 1)
     return jnp.where(in_tail[None, :, None], jnp.take(residual, idx, axis=1), block)
 
 
-def write_tokens(pool, table, lengths, x, start, layers, capacity: int):
-    """Writes ``x [Lw, B, T, K, H]`` at ``start [B]`` into layers ``layers [Lw]`` of a kivi2
-    cache pool ``[L, K, P, C, H]`` (see the module docs). ``lengths [B]`` are the lengths
-    before the write; a layer id ``>= L`` drops its rows. Returns the new pool."""
+def write_tokens(pool, table, x, start, count, layers, capacity: int):
+    """Writes the first ``count [B]`` tokens of ``x [Lw, B, T, K, H]`` at ``start [B]`` into
+    layers ``layers [Lw]`` of a kivi2 cache pool ``[L, K, P, C, H]`` (see the module docs);
+    the rest of each row is dropped. A layer id ``>= L`` drops its rows. Returns the pool."""
     from paged._quantized import QuantizedPages
 
     L, K, P, C, H = pool.shape
@@ -117,14 +117,15 @@ def write_tokens(pool, table, lengths, x, start, layers, capacity: int):
     grouping = pool.grouping
     n_pg = (C - 1 + T + C - 1) // C  # pages a chunk of T tokens starting anywhere spans
     span = n_pg * C
+    lay = jnp.clip(layers, 0, L - 1)
     start = start.astype(jnp.int32)
-    lengths = lengths.astype(jnp.int32)
+    count = jnp.clip(count.astype(jnp.int32), 0, T)
+    lengths = pool.residual_len[lay, 0]  # [Lw, B]: tokens written so far, per layer
     base = (start // C) * C  # [B]
     page_idx = base[:, None] // C + jnp.arange(n_pg, dtype=jnp.int32)  # [B, n_pg]
     ids = jnp.take_along_axis(table.astype(jnp.int32), jnp.clip(page_idx, 0, M - 1), axis=1)
-    page_ok = (page_idx < M) & (ids > 0) & (ids < P)
+    page_ok = (page_idx >= 0) & (page_idx < M) & (ids > 0) & (ids < P)
     ids = jnp.where(page_ok, ids, 0)
-    lay = jnp.clip(layers, 0, L - 1)
 
     # The current contents of the window, decoded: [Lw, B, n_pg, K, C, H].
     index = (lay[:, None, None], slice(None), ids[None])
@@ -135,29 +136,32 @@ def write_tokens(pool, table, lengths, x, start, layers, capacity: int):
     pos = base[:, None] + jnp.arange(span, dtype=jnp.int32)  # [B, span]
     residual = pool.residual[lay]  # [Lw, K, B, C, H]
     res_b = residual.transpose(0, 2, 1, 3, 4)  # [Lw, B, K, C, H]
-    open_base = (lengths // C) * C
-    in_tail = (pos >= open_base[:, None]) & (pos < lengths[:, None])  # [B, span]
-    tail_idx = jnp.clip(pos - open_base[:, None], 0, C - 1)
-    tail_vals = jnp.take_along_axis(res_b, tail_idx[None, :, None, :, None], axis=3)
-    stored = (pos < open_base[:, None]) & jnp.repeat(page_ok, C, axis=1)
-    cur = jnp.where(in_tail[None, :, None, :, None], tail_vals, cur)
-    cur = jnp.where((in_tail | stored)[None, :, None, :, None], cur, 0.0)
+    open_base = (lengths // C) * C  # [Lw, B]
+    in_tail = (pos[None] >= open_base[..., None]) & (pos[None] < lengths[..., None])
+    tail_idx = jnp.clip(pos[None] - open_base[..., None], 0, C - 1)  # [Lw, B, span]
+    tail_vals = jnp.take_along_axis(res_b, tail_idx[:, :, None, :, None], axis=3)
+    stored = (pos[None] < open_base[..., None]) & jnp.repeat(page_ok, C, axis=1)[None]
+    cur = jnp.where(in_tail[:, :, None, :, None], tail_vals, cur)
+    cur = jnp.where((in_tail | stored)[:, :, None, :, None], cur, 0.0)
 
     # The new tokens at their offsets in the window.
     offset = (start - base)[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    offset = jnp.where(jnp.arange(T)[None, :] < count[:, None], offset, span)  # span: dropped
     new = x.astype(jnp.float32).transpose(0, 1, 3, 2, 4)  # [Lw, B, K, T, H]
     b_idx = jnp.arange(B)[:, None]
     window = cur.transpose(0, 1, 3, 2, 4)  # [Lw, B, span, K, H]
-    window = window.at[:, b_idx, offset].set(new.transpose(0, 1, 3, 2, 4))
+    window = window.at[:, b_idx, offset].set(new.transpose(0, 1, 3, 2, 4), mode="drop")
     window = window.transpose(0, 1, 3, 2, 4)  # [Lw, B, K, span, H]
 
-    new_len = jnp.clip(jnp.maximum(lengths, start + T), 0, capacity)  # [B]
+    end = jnp.where(count > 0, start + count, 0)
+    new_len = jnp.clip(jnp.maximum(lengths, end[None]), 0, capacity)  # [Lw, B]
     page_end = base[:, None] + (jnp.arange(n_pg, dtype=jnp.int32) + 1) * C  # [B, n_pg]
-    full = page_ok & (page_end <= new_len[:, None])
+    # Stored: pages wholly below the new length that this write touched (count > 0).
+    full = page_ok[None] & (page_end[None] <= new_len[..., None]) & (count > 0)[None, :, None]
     pages = window.reshape(Lw, B, K, n_pg, C, H).transpose(0, 1, 3, 2, 4, 5)  # [Lw,B,n_pg,K,C,H]
     data, scale, zero = encode(pages, grouping)
     drop_layer = layers >= L
-    target = jnp.where(full[None] & ~drop_layer[:, None, None], ids[None], P)  # P: dropped
+    target = jnp.where(full & ~drop_layer[:, None, None], ids[None], P)  # P: dropped
     put = (lay[:, None, None], slice(None), target)
     out_data = pool.data.at[put].set(data, mode="drop")
     out_scale = pool.scale.at[put].set(scale, mode="drop")
@@ -165,27 +169,68 @@ def write_tokens(pool, table, lengths, x, start, layers, capacity: int):
 
     # The residual: the page holding new_len when it is partial and inside the window; an
     # exactly full length leaves no residual (zeros); otherwise the old residual stays.
-    j_tail = new_len // C - base // C  # [B]
-    tail_in = (new_len % C != 0) & (j_tail >= 0) & (j_tail < n_pg)
+    j_tail = new_len // C - base[None] // C  # [Lw, B]
+    tail_in = (new_len % C != 0) & (j_tail >= 0) & (j_tail < n_pg) & (count > 0)[None]
     empty = new_len % C == 0
     win_pages = window.reshape(Lw, B, K, n_pg, C, H)
     new_tail = jnp.take_along_axis(
-        win_pages, jnp.clip(j_tail, 0, n_pg - 1)[None, :, None, None, None, None], axis=3
+        win_pages, jnp.clip(j_tail, 0, n_pg - 1)[:, :, None, None, None, None], axis=3
     )[:, :, :, 0]  # [Lw, B, K, C, H]
-    tail_pos = (new_len // C * C)[:, None] + jnp.arange(C, dtype=jnp.int32)  # [B, C]
-    new_tail = jnp.where((tail_pos < new_len[:, None])[None, :, None, :, None], new_tail, 0.0)
+    tail_pos = (new_len // C * C)[..., None] + jnp.arange(C, dtype=jnp.int32)  # [Lw, B, C]
+    new_tail = jnp.where((tail_pos < new_len[..., None])[:, :, None, :, None], new_tail, 0.0)
     res_new = jnp.where(
-        tail_in[None, :, None, None, None],
+        tail_in[:, :, None, None, None],
         new_tail,
-        jnp.where(empty[None, :, None, None, None], 0.0, res_b),
+        jnp.where(empty[:, :, None, None, None], 0.0, res_b),
     )
     layer_put = jnp.where(drop_layer, L, layers)
     out_res = pool.residual.at[layer_put].set(res_new.transpose(0, 2, 1, 3, 4), mode="drop")
+    new_len = jnp.broadcast_to(new_len[:, None, :], (Lw, K, B))
+    out_len = pool.residual_len.at[layer_put].set(new_len, mode="drop")
     return QuantizedPages(
-        out_data, out_scale, pool.format, zero=out_zero, residual=out_res, grouping=grouping
+        out_data,
+        out_scale,
+        pool.format,
+        zero=out_zero,
+        residual=out_res,
+        residual_len=out_len,
+        grouping=grouping,
     )
 
 
-def row_residual(residual, b):
-    """The residual ``[K, C, H]`` of sequence ``b`` of a layer's ``[K, B, C, H]``."""
-    return lax.dynamic_index_in_dim(residual, b, axis=1, keepdims=False)
+def reseat(pool, table, lengths):
+    """A kivi2 cache pool whose rows now hold ``lengths [B]`` tokens on ``table [B, M]``.
+
+    A row whose open page is unchanged keeps its residual (cut at the new length); any other
+    row takes its residual from the decoded page stored at its new open page (zeros where no
+    page or nothing stored). ``residual_len`` becomes ``lengths`` on every layer.
+    """
+    from paged._quantized import QuantizedPages  # noqa: PLC0415 (a cycle otherwise)
+
+    L, K, P, C, H = pool.shape
+    B, M = table.shape
+    lengths = lengths.astype(jnp.int32)
+    old = pool.residual_len[:, 0]  # [L, B]
+    slot = lengths // C
+    ids = jnp.take_along_axis(table.astype(jnp.int32), jnp.clip(slot, 0, M - 1)[:, None], 1)[:, 0]
+    ok = (slot < M) & (ids > 0) & (ids < P)
+    ids = jnp.where(ok, ids, 0)
+    part = QuantizedPages(
+        pool.data[:, :, ids], pool.scale[:, :, ids], pool.format, pool.zero[:, :, ids],
+        grouping=pool.grouping,
+    )  # fmt: skip
+    stored = decode(part.data, part.scale, part.zero, pool.grouping)  # [L, K, B, C, H]
+    stored = jnp.where(ok[None, None, :, None, None], stored, 0.0)
+    same = (old // C == slot[None])[:, None, :, None, None]  # [L, 1, B, 1, 1]
+    keep = (jnp.arange(C)[None, :] < (lengths % C)[:, None])[None, None, :, :, None]
+    residual = jnp.where(keep, jnp.where(same, pool.residual, stored), 0.0)
+    filled = jnp.broadcast_to(lengths[None, None], (L, K, B))
+    return QuantizedPages(
+        pool.data,
+        pool.scale,
+        pool.format,
+        zero=pool.zero,
+        residual=residual,
+        residual_len=filled,
+        grouping=pool.grouping,
+    )

@@ -44,6 +44,7 @@ __all__ = [
     "is_quantized",
     "quantize_pages",
     "quantize_values",
+    "select_rows",
     "set_tokens",
     "take_decoded",
 ]
@@ -157,6 +158,7 @@ class QuantizedPages:
     format: KVFormat
     zero: Any = None
     residual: Any = None
+    residual_len: Any = None
     grouping: str = "token"
 
     @property
@@ -189,11 +191,17 @@ class QuantizedPages:
         zero = None if self.zero is None else self.zero[index]
         # The residual ([*lead, B, C, H]) follows an index of the axes before the page axis
         # only; a selection of pages carries no residual.
-        residual = None
+        residual = residual_len = None
         if self.residual is not None and used <= self.data.ndim - 3:
-            residual = self.residual[index]
+            residual, residual_len = self.residual[index], self.residual_len[index]
         return QuantizedPages(
-            self.data[index], self.scale[index], self.format, zero, residual, self.grouping
+            self.data[index],
+            self.scale[index],
+            self.format,
+            zero,
+            residual,
+            residual_len,
+            self.grouping,
         )
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
@@ -204,7 +212,7 @@ class QuantizedPages:
 
 jax.tree_util.register_dataclass(
     QuantizedPages,
-    data_fields=["data", "scale", "zero", "residual"],
+    data_fields=["data", "scale", "zero", "residual", "residual_len"],
     meta_fields=["format", "grouping"],
 )
 
@@ -323,3 +331,38 @@ def take_decoded(pool, index):
     if is_quantized(pool):
         return decode_pages(pool[index])
     return pool[index]
+
+
+def select_rows(pool, rows):
+    """``pool`` as a batch of sequences ``rows`` of its cache reads it.
+
+    A kivi2 pool keeps one residual page per sequence row of its cache; attention over the
+    pool takes them row for row with the page table. A caller whose page table lists the
+    cache's sequences in another order, or repeats them (one query per row, say), narrows
+    the residual with this first. Any other pool is returned as it is. Jittable.
+
+    Args:
+      pool: a float pool or :class:`QuantizedPages` (``[*lead, P, C, H]``).
+      rows: ``[B']`` int rows of the cache, each in ``[0, B)``.
+
+    Returns:
+      The pool with ``residual [*lead, B', C, H]`` and ``residual_len [*lead, B']``.
+
+    Raises:
+      ValueError: if ``rows`` is not a 1-d int array.
+
+    Example:
+      >>> import paged
+      >>> cache = paged.init_paged_cache(1, 1, 4, 4, 8, batch=2, max_pages_per_seq=2,
+      ...                                kv_format=KVFormat("kivi2"))
+      >>> select_rows(cache.k_pages[0], jnp.array([1, 1, 0])).residual.shape
+      (1, 3, 4, 8)
+    """
+    rows = jnp.asarray(rows)
+    if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise ValueError(f"select_rows: rows: expected [B'] ints, got {rows.shape} {rows.dtype}")
+    if getattr(pool, "residual", None) is None:
+        return pool
+    residual = jnp.take(pool.residual, rows, axis=pool.residual.ndim - 3)
+    filled = jnp.take(pool.residual_len, rows, axis=pool.residual_len.ndim - 1)
+    return dataclasses.replace(pool, residual=residual, residual_len=filled)

@@ -149,14 +149,16 @@ def _check_finite_tokens(cache: PagedKVCache) -> None:
             if pool.grouping == "channel":
                 scale = np.repeat(np.max(scale, axis=-1, keepdims=True), C, axis=-1)
             residual = np.asarray(pool.residual)  # [L, K, B, C, H]
+            filled = np.asarray(pool.residual_len)  # [L, K, B]
         for b in range(table.shape[0]):
             pos = np.arange(int(lengths[b]))
             pages, offsets = table[b, pos // C], pos % C
             tokens = scale[:, :, pages, offsets]  # [L, K, n]
-            if kivi:
-                open_base = int(lengths[b]) // C * C
+            if kivi:  # positions of the open page (per layer) are read from the residual
+                open_base = filled[:, :, b, None] // C * C  # [L, K, 1]
                 tail = np.max(residual[:, :, b, offsets], axis=-1)  # [L, K, n]
-                tokens = np.where(pos >= open_base, tail, tokens)
+                in_tail = (pos >= open_base) & (pos < filled[:, :, b, None])
+                tokens = np.where(in_tail, tail, tokens)
             bad = np.argwhere(~np.isfinite(tokens))  # [L, K, n] hits
             if bad.size:
                 layer, head, i = bad[0]

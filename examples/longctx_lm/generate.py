@@ -50,16 +50,17 @@ from examples.longctx_lm.model import Transformer
 
 
 def _cached_forward(model: Transformer, cache: paged.PagedKVCache, tokens, prev_tokens,
-                    positions, attend_layer):  # fmt: skip
+                    positions, attend_layer, count=None):  # fmt: skip
     """Runs the model over ``tokens [B, T]`` at ``positions``, writing every layer's K/V into
-    ``cache`` first and attending with ``attend_layer(q, cache, layer) -> (out, page_mass)``;
-    returns ``(logits [B, T, V], cache, masses)`` with ``masses`` the per-layer page masses
-    (a list, empty entries None)."""
+    ``cache`` first (the first ``count [B]`` tokens of each row, all if None) and attending
+    with ``attend_layer(q, cache, layer) -> (out, page_mass)``; returns
+    ``(logits [B, T, V], cache, masses)`` with ``masses`` the per-layer page masses (a list,
+    empty entries None)."""
     x = model.embed_inputs(tokens, prev_tokens)
     masses = []
     for layer, block in enumerate(model.blocks):
         q, k, v = block.attn.project(block.attn_norm(x), positions)
-        cache = paged.write_layer(cache, layer, k, v, positions[:, 0])
+        cache = paged.write_layer(cache, layer, k, v, positions[:, 0], count=count)
         out, mass = attend_layer(q, cache, layer)
         masses.append(mass)
         x = x + block.attn.output(out)
@@ -99,10 +100,12 @@ def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start, n, per_qu
 
     def attend(q, cache, layer):
         flat = q.reshape(B * T, *q.shape[2:])[order]
+        k, v = cache.k_pages[layer], cache.v_pages[layer]
+        if per_query:  # each query reads its own row's residual page (kivi2 pools)
+            k, v = paged.select_rows(k, row), paged.select_rows(v, row)
         res = paged.ragged_paged_attention(
-            flat, cache.k_pages[layer], cache.v_pages[layer], table, lengths, cu, num_seqs,
-            return_page_mass=True,
-        )  # fmt: skip
+            flat, k, v, table, lengths, cu, num_seqs, return_page_mass=True
+        )
         out = jnp.where(valid[:, None, None], res.out[inverse], 0).reshape(q.shape)
         mass = res.page_mass
         if per_query:
@@ -110,7 +113,7 @@ def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start, n, per_qu
             mass = mass.reshape(B, T, *mass.shape[1:])
         return out, mass
 
-    _, cache, masses = _cached_forward(model, cache, tokens, prev_tokens, positions, attend)
+    _, cache, masses = _cached_forward(model, cache, tokens, prev_tokens, positions, attend, n)
     return cache, sum(masses)
 
 

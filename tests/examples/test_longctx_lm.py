@@ -376,3 +376,48 @@ def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind
         assert isinstance(server.offload.host_pool.k_pages, paged.QuantizedPages)
     for p, g in zip(prompts, got, strict=True):
         np.testing.assert_array_equal(g, generate.generate_dense(model, p, 6, attend))
+
+
+@pytest.mark.parametrize("policy", [None, "snapkv"])
+def test_generation_from_kivi2_pages_equals_dense_over_the_kivi2_kv(policy):
+    """kivi2 pages through the server (padded prefill chunks, per-query observation rows, the
+    decode loop's appends, rows reused by a second call): greedy output equals dense
+    recomputation whose K/V at each step hold every page wholly below the current length
+    2-bit (keys per channel over the page, values per token) and the open page exact. One
+    layer, so every position's K/V do not depend on when earlier keys were stored."""
+    import dataclasses
+
+    import offload
+    import paged
+    import ringattn
+    from examples.longctx_lm import generate
+
+    fmt = paged.KVFormat("kivi2")
+    C = 4
+    model = Transformer(dataclasses.replace(TINY, num_layers=1), rngs=nnx.Rngs(7))
+    server = generate.Server(model, num_pages=64, page_size=C, max_len=64, batch=2, chunk=8, kv_format=fmt)  # fmt: skip
+    batch = data.make_batch(data.TaskConfig("passkey", length=40), 2, seed=3)
+    prompts = [list(batch.tokens[0][:30]), list(batch.tokens[1][:23])]
+
+    def quantized(x, role):  # [B, S, K, H]: the values a kivi2 cache holds for length S
+        B, S, K, H = x.shape
+        n = S // C * C
+        pages = jnp.moveaxis(x[:, :n].reshape(B, S // C, C, K, H), 3, 2)  # [B, S/C, K, C, H]
+        back = paged.quantize_pages(pages, fmt, role=role).dequantize()
+        back = jnp.moveaxis(back, 2, 3).reshape(B, n, K, H)
+        return jnp.concatenate([back, x[:, n:]], axis=1)
+
+    def attend(q, k, v, positions):
+        pos = ringattn.Positions(positions, positions)
+        k, v = quantized(k, "keys"), quantized(v, "values")
+        return ringattn.attention_reference(q, k, v, causal=True, positions=pos).out
+
+    retention = None
+    if policy is not None:  # budget 1: nothing dropped, but the last queries are observed one
+        # query per row (ragged attention over paged.select_rows views of the residual)
+        rule = offload.RetentionPolicy(policy, 1.0, page_size=C, sink=1, recent=1)
+        retention = generate.Retention(rule, mode="drop", window=4)
+    for call in range(2):  # the second call reuses rows whose residual pages are stale
+        got = server.generate(prompts[::-1] if call else prompts, 5, retention=retention)
+        for p, g in zip(prompts[::-1] if call else prompts, got, strict=True):
+            np.testing.assert_array_equal(g, generate.generate_dense(model, p, 5, attend))

@@ -361,6 +361,8 @@ def test_errors_name_the_argument():
         quantize_pages(x, KVFormat("int8"), role="keys")
     with pytest.raises(ValueError, match="quantize_pages: x: kivi2 needs"):
         quantize_pages(jnp.ones((2, 4, 6)), FMT, role="keys")
+    with pytest.raises(ValueError, match="write: count: expected an int or shape"):
+        write(_cache(), *_kv(np.random.default_rng(0), 2, 3, 2, 2, 8), 0, count=jnp.ones(2, int))
     with pytest.raises(ValueError, match="init_paged_cache: head_dim: kivi2"):
         init_paged_cache(1, 1, 4, 4, 6, batch=1, max_pages_per_seq=2, kv_format=FMT)
     cache = _cache()
@@ -382,3 +384,102 @@ def test_errors_name_the_argument():
         )
     with pytest.raises(NotImplementedError, match="kivi2 pools are not supported by offload"):
         offload.make_host_page_pool(cache.k_pages, cache.v_pages, 4)
+
+
+# --- padded chunks, re-seating rows, select_rows ------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [None, "int8", "kivi2"])
+def test_count_drops_the_padding_of_a_chunk(kind):
+    fmt = None if kind is None else KVFormat(kind)
+    base = init_paged_cache(2, 2, 20, 4, 8, batch=3, max_pages_per_seq=6, kv_format=fmt)
+    base = with_page_table(base, _cache().page_table)
+    rng = np.random.default_rng(14)
+    k, v = _kv(rng, 2, 3, 7, 2, 8)
+    count = jnp.array([7, 3, 0])
+    padded = write(base, k, v, jnp.array([0, 2, 5]), count=count)
+    np.testing.assert_array_equal(padded.lengths, [7, 5, 0])
+    for b, (s, n) in enumerate(((0, 7), (2, 3))):
+        one = write(
+            with_page_table(base, base.page_table), k[:, :, :n], v[:, :, :n], s,
+            count=jnp.array([n if r == b else 0 for r in range(3)]),
+        )  # fmt: skip
+        kg, vg = gather_kv(padded, 1)
+        ko, vo = gather_kv(one, 1)
+        np.testing.assert_array_equal(np.asarray(kg[b]), np.asarray(ko[b]))
+        np.testing.assert_array_equal(np.asarray(vg[b]), np.asarray(vo[b]))
+    kg, _ = gather_kv(padded, 0)
+    np.testing.assert_array_equal(np.asarray(kg[2]), 0.0)  # count 0: nothing written
+    # write_layer takes count alike; a bad count is a ValueError.
+    one = write_layer(base, 0, k[0], v[0], 0, count=jnp.array([2, 0, 1]))
+    kg, _ = gather_kv(one._replace(lengths=jnp.array([7, 7, 7])), 0)
+    assert np.all(np.asarray(kg[0, 2:]) == 0) and np.all(np.asarray(kg[1]) == 0)
+
+
+def test_writes_follow_the_pool_not_the_cache_lengths():
+    # The residual tracks what was written (residual_len), so attention lengths and
+    # cache.lengths may be anything: a chunk written with the cache's lengths left behind
+    # equals one written with them kept up to date.
+    base = _cache()
+    rng = np.random.default_rng(15)
+    k, v = _kv(rng, 2, 3, 9, 2, 8)
+    a = write(write(base, k[:, :, :5], v[:, :, :5], 0), k[:, :, 5:], v[:, :, 5:], 5)
+    stale = base
+    for layer in range(2):
+        stale = write_layer(stale, layer, k[layer, :, :5], v[layer, :, :5], 0)
+    for layer in range(2):
+        stale = write_layer(stale, layer, k[layer, :, 5:], v[layer, :, 5:], 5)
+    np.testing.assert_array_equal(stale.lengths, 0)
+    for x, y in zip(
+        jax.tree.leaves((a.k_pages, a.v_pages)),
+        jax.tree.leaves((stale.k_pages, stale.v_pages)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_with_page_table_reseats_the_rows():
+    cache = _cache()
+    rng = np.random.default_rng(16)
+    k, v = _kv(rng, 2, 3, 14, 2, 8)
+    cache = write(cache, k, v, 0)  # 14 tokens: pages 0..2 stored, 12, 13 in the residual
+    before = [np.asarray(x) for x in gather_kv(cache, 0)]
+    # Cut row 0 to 13 (same open page), row 1 to 8 (page-aligned), row 2 to 6 (into a
+    # stored page: its residual comes from the stored page's decoded tokens).
+    cut = with_page_table(cache, cache.page_table, jnp.array([13, 8, 6]))
+    np.testing.assert_array_equal(cut.k_pages.residual_len[0, 0], [13, 8, 6])
+    after = [np.asarray(x) for x in gather_kv(cut, 0)]
+    for got, want in zip(after, before, strict=True):
+        np.testing.assert_array_equal(got[0, :13], want[0, :13])
+        np.testing.assert_array_equal(got[1, :8], want[1, :8])
+        np.testing.assert_array_equal(got[2, :6], want[2, :6])
+    # Appending after the cut continues from there: row 2's page 1 is stored again from
+    # its decoded tokens plus the new ones.
+    more = write(cut, k[:, :, :2], v[:, :, :2], cut.lengths)
+    kg = np.asarray(gather_kv(more, 0)[0])
+    np.testing.assert_array_equal(kg[0, 13:15], np.asarray(k[0, 0, :2]))  # open page 3
+    assert np.abs(kg[2, 6:8] - np.asarray(k[0, 2, :2])).max() < 3.0
+    # Without lengths the residual is untouched.
+    same = with_page_table(cache, cache.page_table)
+    np.testing.assert_array_equal(same.k_pages.residual, cache.k_pages.residual)
+
+
+def test_select_rows_lets_any_table_order_read_the_residual():
+    rng = np.random.default_rng(17)
+    cache, _, _ = _filled(rng)
+    N, H = 4, cache.k_pages.shape[-1]
+    rows = jnp.array([1, 0, 1, 0])
+    q = jnp.asarray(rng.standard_normal((4, 1, N, H)), jnp.float32)
+    table, lengths = cache.page_table[rows], cache.lengths[rows]
+    kp, vp = paged.select_rows(cache.k_pages[0], rows), paged.select_rows(cache.v_pages[0], rows)
+    got = paged_attention(q, kp, vp, table, lengths)
+    for i, r in enumerate(np.asarray(rows)):
+        want = paged_attention(
+            q[i : i + 1].repeat(3, 0), cache.k_pages[0], cache.v_pages[0],
+            cache.page_table, cache.lengths,
+        ).out[r]  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(got.out[i]), np.asarray(want))
+    float_pool = jnp.zeros((2, 4, 4, 8))
+    assert paged.select_rows(float_pool, rows) is float_pool
+    with pytest.raises(ValueError, match="select_rows: rows"):
+        paged.select_rows(float_pool, jnp.ones((2, 2), jnp.int32))
