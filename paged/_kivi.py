@@ -205,7 +205,7 @@ def reseat(pool, table, lengths):
     row takes its residual from the decoded page stored at its new open page (zeros where no
     page or nothing stored). ``residual_len`` becomes ``lengths`` on every layer.
     """
-    from paged._quantized import QuantizedPages  # noqa: PLC0415 (a cycle otherwise)
+    from paged._quantized import QuantizedPages
 
     L, K, P, C, H = pool.shape
     B, M = table.shape
