@@ -19,6 +19,7 @@ sinks join once, after the merge (:func:`ringattn.apply_sinks`). KV never moves:
 positions of the valid (global) cache, as in :func:`paged.paged_attention`.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -44,6 +45,7 @@ from paged._checks import (
     check_array,
     check_heads,
     check_pages,
+    check_residual_rows,
     check_table,
     int_option,
     pool_dtype,
@@ -66,12 +68,32 @@ def local_partial(
     capacity = page_table.shape[1] * k_pages.shape[2]  # M_d * C
     offset = jax.lax.axis_index(seq_axis) * capacity
     local_lengths = jnp.clip(lengths - offset, 0, capacity)
+    # A kivi2 residual page (replicated) counts in this device's token range, like lengths.
+    k_pages, v_pages = (_local_residual(pool, offset, capacity) for pool in (k_pages, v_pages))
     opts = kernel_options(
         "sharded_paged_attention", mask, N, H, ppb, page_table.shape[1], page_mass
     )
     return attention_rows(
         q, k_pages, v_pages, page_table, local_lengths, q_positions - offset, opts=opts
     )
+
+
+def _pool_specs(pool, pool_spec):
+    """The ``shard_map`` spec of a pool: split along pages; a kivi2 residual replicated."""
+    if getattr(pool, "residual", None) is None:
+        return pool_spec
+    return dataclasses.replace(
+        jax.tree.map(lambda _: pool_spec, dataclasses.replace(pool, residual=None)),
+        residual=PartitionSpec(),
+        residual_len=PartitionSpec(),
+    )
+
+
+def _local_residual(pool, offset, capacity):
+    if getattr(pool, "residual", None) is None:
+        return pool
+    filled = jnp.clip(pool.residual_len - offset, 0, capacity)
+    return dataclasses.replace(pool, residual_len=filled)
 
 
 def sharded_paged_attention(
@@ -151,14 +173,9 @@ def sharded_paged_attention(
     check_array(fn, "q", q, 4, jnp.floating)
     B, T, N, _ = q.shape
     K, P, C, H = check_pages(fn, k_pages, v_pages)
-    if getattr(k_pages, "format", None) is not None and k_pages.format.kind == "kivi2":
-        raise NotImplementedError(
-            f"{fn}: k_pages: kivi2 pools are not supported by the sharded decode yet (their "
-            f"per-sequence residual page would have to follow the sequence's last page); use "
-            f"int8 / fp8 / int4 here"
-        )
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     _, M = check_table(fn, page_table, lengths, B)
+    check_residual_rows(fn, k_pages, v_pages, B)
     if T < 1:
         raise ValueError(f"{fn}: q: expected at least one query token (T >= 1), got {q.shape}")
     D = mesh.shape[seq_axis]
@@ -175,7 +192,9 @@ def sharded_paged_attention(
     q_positions = default_q_positions(fn, q_positions, lengths, B, T)
     pool_spec = PartitionSpec(None, seq_axis)
     replicated = PartitionSpec()
-    specs = (replicated, pool_spec, pool_spec, pool_spec, replicated, replicated)
+    # A kivi2 pool's residual pages (per sequence, not per page) are replicated.
+    k_spec, v_spec = (_pool_specs(pool, pool_spec) for pool in (k_pages, v_pages))
+    specs = (replicated, k_spec, v_spec, pool_spec, replicated, replicated)
     want_mass = bool(return_page_mass)
     kernel_options(fn, spec, N, H, ppb, M // D, want_mass)  # eager checks (window tuple...)
     mass_spec = PartitionSpec(None, None, None, seq_axis)  # [B, T, N, M] by columns
@@ -211,10 +230,14 @@ def sharded_paged_attention(
     args = (q, k_pages, v_pages, jnp.asarray(page_table), lengths, q_positions)
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         # Explicit axes: shard_map wants its inputs already laid out as in_specs say.
-        args = tuple(
-            jax.tree.map(lambda leaf, s=s: jax.sharding.reshard(leaf, NamedSharding(mesh, s)), x)
-            for x, s in zip(args, specs, strict=True)
-        )
+        def reshard(x, s):
+            if isinstance(s, PartitionSpec):  # one spec for every leaf
+                s = jax.tree.map(lambda _, s=s: s, x)
+            return jax.tree.map(
+                lambda leaf, sp: jax.sharding.reshard(leaf, NamedSharding(mesh, sp)), x, s
+            )
+
+        args = tuple(reshard(x, s) for x, s in zip(args, specs, strict=True))
     out, lse, mass_rows = run(*args)
     # Sinks join once, after the merge (and take their share of the page mass).
     return finish(out, lse, mass_rows if want_mass else None, sinks, q.dtype)

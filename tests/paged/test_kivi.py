@@ -371,17 +371,6 @@ def test_errors_name_the_argument():
         paged_attention(
             q, cache.k_pages[0], cache.v_pages[0], cache.page_table[:2], cache.lengths[:2]
         )
-    mesh = make_test_mesh((2,), ("seq",), axis_type=jax.sharding.AxisType.Explicit)
-    with pytest.raises(NotImplementedError, match="sharded_paged_attention: k_pages: kivi2"):
-        paged.sharded_paged_attention(
-            jnp.ones((3, 1, 4, 8)),
-            cache.k_pages[0],
-            cache.v_pages[0],
-            cache.page_table,
-            cache.lengths,
-            mesh=mesh,
-            seq_axis="seq",
-        )
     with pytest.raises(NotImplementedError, match="kivi2 pools are not supported by offload"):
         offload.make_host_page_pool(cache.k_pages, cache.v_pages, 4)
 
@@ -483,3 +472,39 @@ def test_select_rows_lets_any_table_order_read_the_residual():
     assert paged.select_rows(float_pool, rows) is float_pool
     with pytest.raises(ValueError, match="select_rows: rows"):
         paged.select_rows(float_pool, jnp.ones((2, 2), jnp.int32))
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+@pytest.mark.parametrize("D", [2, 4])
+def test_sharded_decode_over_a_kivi2_cache(D, axis_type):
+    # Pages split over the devices; each row's residual page (replicated) is read by the
+    # device whose token range holds it. Lengths put the residual on several devices.
+    rng = np.random.default_rng(18)
+    L, K, C, H, B, M = 1, 2, 4, 8, 3, 8
+    Md = M // D
+    Pd = 1 + Md * B  # pages per device, its local null page 0 included
+    P = D * Pd
+    # The sharded decode reads local ids (device d holds pages [d * Pd, (d + 1) * Pd) and
+    # table slots [d * Md, (d + 1) * Md)); the cache is written through the global ids.
+    local = np.zeros((B, M), np.int32)
+    for i in range(M):
+        local[:, i] = 1 + (i % Md) * B + np.arange(B)
+    global_table = local + (np.arange(M) // Md)[None] * Pd
+    cache = init_paged_cache(L, K, P, C, H, batch=B, max_pages_per_seq=M, kv_format=FMT)
+    cache = with_page_table(cache, jnp.asarray(global_table))
+    k, v = _kv(rng, L, B, 30, K, H)
+    cache = write(cache, k, v, 0)
+    lengths = jnp.array([30, 7, 17])  # residual pages on different devices
+    cache = with_page_table(cache, cache.page_table, lengths)
+    q = jnp.asarray(rng.standard_normal((B, 2, 4, H)), jnp.float32)
+    mesh = make_test_mesh((D,), ("seq",), axis_type=axis_type)
+    got = paged.sharded_paged_attention(
+        q, cache.k_pages[0], cache.v_pages[0], jnp.asarray(local), lengths, mesh=mesh,
+        seq_axis="seq", causal=True, return_page_mass=True,
+    )  # fmt: skip
+    ref = paged_attention_reference(
+        q, cache.k_pages[0], cache.v_pages[0], cache.page_table, lengths, causal=True,
+        return_page_mass=True,
+    )  # fmt: skip
+    assert_close(got.out, ref.out, dtype=jnp.float32)
+    assert_close(got.page_mass, ref.page_mass, dtype=jnp.float32)
