@@ -37,7 +37,10 @@ attention functions decode one page block at a time in float32, :func:`gather_kv
 :func:`quantize_pages` turns a float pool into one.
 
 Page 0 is our reserved null page; JAX's and vLLM's page tables use page 0 as an ordinary
-page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages).
+page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages),
+:func:`to_zero_based_table` back. ``from_jax_*`` / ``to_jax_*`` convert quantized pools to and
+from JAX's kernels' conventions (ragged ``k_scale`` / ``v_scale``, TPU int8
+``QuantizedTensor``, GPU scale pages).
 """
 
 from paged._allocator import Admission, PageAllocator
@@ -66,6 +69,19 @@ from paged._device_alloc import (
     push_pages,
     taken_pages,
 )
+from paged._interop import (
+    JAX_TPU_MAX_INT8,
+    JaxRaggedKV,
+    JaxScalePages,
+    KVPoolPair,
+    from_jax_gpu_scale_pages,
+    from_jax_ragged_kv_pages,
+    from_jax_tpu_quantized,
+    to_jax_gpu_scale_pages,
+    to_jax_ragged_kv_pages,
+    to_jax_tpu_quantized,
+    to_zero_based_table,
+)
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
 from paged._quantized import KVFormat, QuantizedPages, quantize_pages
@@ -74,11 +90,15 @@ from paged._sharded import sharded_paged_attention
 from paged._validate import from_zero_based_table, validate, validate_page_table
 
 __all__ = [
+    "JAX_TPU_MAX_INT8",
     "NULL_PAGE",
     "Admission",
     "AllocatorStats",
     "CopyPlan",
+    "JaxRaggedKV",
+    "JaxScalePages",
     "KVFormat",
+    "KVPoolPair",
     "OutOfPages",
     "PageAllocator",
     "DEFAULT_PAGES_PER_BLOCK",
@@ -90,6 +110,9 @@ __all__ = [
     "append",
     "copy_pages",
     "ensure_next_page",
+    "from_jax_gpu_scale_pages",
+    "from_jax_ragged_kv_pages",
+    "from_jax_tpu_quantized",
     "from_zero_based_table",
     "gather_kv",
     "init_paged_cache",
@@ -103,6 +126,10 @@ __all__ = [
     "ragged_paged_attention_reference",
     "sharded_paged_attention",
     "taken_pages",
+    "to_jax_gpu_scale_pages",
+    "to_jax_ragged_kv_pages",
+    "to_jax_tpu_quantized",
+    "to_zero_based_table",
     "validate",
     "validate_page_table",
     "with_page_table",
