@@ -254,7 +254,7 @@ def to_jax_ragged_kv_pages(
     ``round(x / t)`` clipped to ``[-128, 127]`` (int8) or cast to ``float8_e4m3fn`` after a
     clip to ``[-448, 448]``. Our page 0 is dropped. This is a requantization:
 
-    * int8: ``|x' - x| <= t / 2`` per element (one step of the coarser grid), vs ours'
+    * int8: ``|x' - x| <= t / 2`` per element (half a step of the coarser grid), vs ours'
       ``scale / 2``;
     * fp8: ``|x' - x| <= |x| / 16 + t * 2**-10`` (3 mantissa bits; the second term is e4m3's
       subnormal spacing on the coarser grid);

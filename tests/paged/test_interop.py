@@ -135,6 +135,11 @@ def test_ragged_from_jax_decodes_bitwise_and_round_trips_exactly(kind):
         ours = np.asarray(pages.dequantize())
         np.testing.assert_array_equal(ours[:, 1:], theirs.transpose(2, 0, 1, 3))
         assert np.all(ours[:, 0] == 0) and np.all(np.asarray(pages.scale[:, 0]) == 0)
+    jitted = jax.jit(
+        lambda kv: from_jax_ragged_kv_pages(kv, k_scale=0.125, v_scale=3e-3)  # static scales
+    )(kv_pages)
+    for a, b in zip(jitted, (k_pages, v_pages), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.dequantize()), np.asarray(b.dequantize()))
     back = to_jax_ragged_kv_pages(k_pages, v_pages)  # default scales: the common ones
     assert (back.k_scale, back.v_scale) == (float(np.float32(0.125)), float(np.float32(3e-3)))
     assert back.kv_pages.dtype == kv_pages.dtype
@@ -388,6 +393,8 @@ def test_gpu_from_jax_matches_jax_kernel_and_reference(kind):
 def test_gpu_conversions_are_exact_both_ways(kind):
     q, ((kd, ks), (vd, vs)), table = gpu_case(kind, seed=9)
     ours = from_jax_gpu_scale_pages(kd, ks)
+    jitted = jax.jit(from_jax_gpu_scale_pages)(kd, ks)
+    np.testing.assert_array_equal(np.asarray(jitted.scale), np.asarray(ours.scale))
     assert ours.format == KVFormat(kind) and ours.shape == (K, P + 1, C, H)
     assert np.all(np.asarray(ours.scale[:, 0]) == 0)
     back = to_jax_gpu_scale_pages(ours)
