@@ -8,6 +8,9 @@ formats' formulas and the README's numbers, the documented error bounds, error o
 """
 
 import dataclasses
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from benchmarks import bench_decode, bench_kvquant, bench_quality, bench_train
 from examples.longctx_lm.model import ModelConfig, Transformer
 from ringattn import BlockSizes
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ModelConfig(width=32, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, mlp_width=64)
 
 
@@ -131,8 +135,11 @@ def test_bench_kvquant_decode_timing_runs_every_storage():
 
 @pytest.mark.slow
 def test_bench_kvquant_quick_run_writes_every_section(tmp_path):
+    """``--quick`` end to end, in its own process (it sets up one CPU device before JAX)."""
     out = tmp_path / "kvquant.md"
-    bench_kvquant.main(["--quick", "--out", str(out)])
+    command = [sys.executable, "-m", "benchmarks.bench_kvquant", "--quick", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
     for title in ("## 1.", "## 2.", "## 3.", "## 4.", "Llama-3-70B", "trained model"):
         assert title in text, title
