@@ -33,9 +33,11 @@ chooses) is compared with float32 and bfloat16 pools, through the public API onl
 
 Run from the repository root::
 
-    python -m benchmarks.bench_kvquant            (full sizes; a few minutes on 2 idle cores)
-    python -m benchmarks.bench_kvquant --quick    (tiny sizes, seconds)
+    python -m benchmarks.bench_kvquant            (full sizes: about 3-5 minutes on 2 cores,
+                                                   peak memory about 9 GiB)
+    python -m benchmarks.bench_kvquant --quick    (tiny sizes: 20-40 s, mostly compiles)
     python -m benchmarks.bench_kvquant --formats int8,fp8
+    python -m benchmarks.bench_kvquant --decode-batch 1 --decode-len 8192   (a smaller step)
 
 Writes ``benchmarks/results/kvquant.md`` (``--quick``: ``benchmarks/results/quick/``).
 """
