@@ -25,6 +25,7 @@ SCRIPTS = (
     "bench_ring",
     "bench_train",
     "bench_decode",
+    "bench_kvquant",
 )
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
