@@ -23,6 +23,7 @@ SCRIPTS = (
     "bench_policies",
     "bench_offload",
     "bench_ring",
+    "bench_ring_quant",
     "bench_train",
     "bench_decode",
     "bench_kvquant",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks import bench_decode, bench_kvquant, bench_quality, bench_train
+from benchmarks import bench_decode, bench_kvquant, bench_quality, bench_ring_quant, bench_train
 from examples.longctx_lm.model import ModelConfig, Transformer
 from ringattn import BlockSizes
 
@@ -35,6 +35,18 @@ def test_bench_decode_methods_emit_the_same_greedy_tokens():
     model = Transformer(TINY, rngs=nnx.Rngs(3))
     tokens = bench_decode.check_greedy_agreement(model, context=40, new_tokens=6)
     assert tokens.shape == (6,)
+
+
+def test_bench_ring_quant_bytes_match_the_program():
+    """The hop bytes the benchmark reports (``hop_bytes``) are those the ring's ``ppermute``
+    sends, and a quantized hop changes the output a little, the exact hop not at all."""
+    results = bench_ring_quant.check_hops(64, block_sizes=BlockSizes(block_q=4, block_kv=4))
+    assert set(results) == set(bench_ring_quant.FORMATS)
+    for fmt, (computed, measured, err) in results.items():
+        assert computed == measured, fmt
+        assert err == 0.0 if fmt is None else 0.0 < err < 0.5, (fmt, err)
+    positions = 8 * 4  # one row of 8 int32 positions travels with every hop
+    assert (results["int8"][0] - positions) * 4 * 128 == (results[None][0] - positions) * 132
 
 
 @pytest.mark.slow
