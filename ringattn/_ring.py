@@ -18,6 +18,11 @@ other documents), folding the hop's keys into one running float32 online-softmax
   linear in the local shard.
 * With ``causal``, a sliding ``window`` and the ``"contiguous"`` layout, hops whose block lies
   outside every local query's window are neither computed nor communicated.
+* ``hop_format="int8"`` / ``"fp8"``: each device quantizes its K/V once (per token and kv
+  head, :mod:`ringattn._hop_format`), the packed buffer carries the quantized values and
+  float32 scales instead of K/V in their dtype, and every block (the local one too) is
+  dequantized to float32 before its compute: exact attention over the dequantized K/V, with
+  straight-through ``dk``/``dv`` (the backward ring sends the same quantized K/V).
 
 References:
   Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
