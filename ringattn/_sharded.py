@@ -4,7 +4,8 @@
 a mesh axis, builds the ``jax.shard_map`` and runs one of:
 
 * ``"ring"``: K/V blocks travel a ring of devices (:func:`ringattn.ring_attention_per_shard`); memory per
-  device stays linear in the local shard; ``n - 1`` hops of ``2 * B * S/n * K * H`` elements.
+  device stays linear in the local shard; ``n - 1`` hops of ``2 * B * S/n * K * H`` elements
+  (int8 / fp8 values plus a float32 scale per token and kv head with ``hop_format``).
 * ``"allgather"``: K/V (with positions and segment ids) are all-gathered, queries stay local
   (the Llama-3 context-parallel form). One collective of the whole K/V; the gradient of the
   all-gather is a reduce-scatter of dK/dV.
