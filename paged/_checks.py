@@ -97,11 +97,15 @@ def check_quantized(fn: str, name: str, pages, ndim: int) -> None:
             f"{fn}: {name}.data: expected dtype {kv_format.storage_dtype} (format "
             f"{kv_format.kind!r}), got {describe(data)}"
         )
-    if tuple(scale.shape) != tuple(data.shape[:-1]) or scale.dtype != jnp.float32:
+    H = kv_format.float_shape(data.shape)[-1]
+    want = kv_format.scale_shape(kv_format.float_shape(data.shape))
+    if tuple(scale.shape) != want or scale.dtype != kv_format.scale_dtype:
+        groups = "per group along H" if len(want) == ndim else "data's shape without H"
         raise ValueError(
-            f"{fn}: {name}.scale: expected float32 scales of shape {tuple(data.shape[:-1])} "
-            f"(data's shape without H), got {describe(scale)}"
+            f"{fn}: {name}.scale: expected {kv_format.scale_dtype} scales of shape {want} "
+            f"({groups}), got {describe(scale)}"
         )
+    kv_format.check_head_dim(fn, f"{name}.data", H)
 
 
 def pool_kind(pages) -> str:

@@ -15,7 +15,7 @@ never reaches a result.
 
 Quantized pools (:class:`paged.QuantizedPages`) are decoded one block at a time: the step
 gathers the block's stored values and scales and multiplies them out in float32
-(``[K, pages_per_block * C, H]``), so no decoded copy of the pool ever exists; queries are
+(``[K, pages_per_block * C, H]``; int4 unpacks its nibbles and applies its group scales here), so no decoded copy of the pool ever exists; queries are
 then taken in float32 too. A NaN scale in a slot nobody may see is removed by the same
 selects.
 """
@@ -102,9 +102,9 @@ def take_block(pool, ids, span: int):
     if quantized; ids already clamped into range)."""
     K, _, _, H = pool.shape
     if is_quantized(pool):
-        data = jnp.take(pool.data, ids, axis=1, mode="clip")  # [K, n, C, H]
-        scale = jnp.take(pool.scale, ids, axis=1, mode="clip")  # [K, n, C]
-        return dequantize_block(data, scale).reshape(K, span, H)
+        data = jnp.take(pool.data, ids, axis=1, mode="clip")  # [K, n, C, H] (int4: H / 2)
+        scale = jnp.take(pool.scale, ids, axis=1, mode="clip")  # [K, n, C] (int4: [K, n, C, H/g])
+        return dequantize_block(data, scale, pool.format).reshape(K, span, H)
     return jnp.take(pool, ids, axis=1, mode="clip").reshape(K, span, H)
 
 

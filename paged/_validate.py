@@ -141,7 +141,9 @@ def _check_finite_tokens(cache: PagedKVCache) -> None:
     lengths = np.asarray(cache.lengths)
     C = cache.k_pages.shape[3]
     for name, pool in (("k_pages", cache.k_pages), ("v_pages", cache.v_pages)):
-        scale = np.asarray(pool.scale)  # [L, K, P, C]
+        scale = np.asarray(pool.scale, np.float32)  # [L, K, P, C] (int4: [L, K, P, C, H/g])
+        if scale.ndim == 5:
+            scale = np.where(np.all(np.isfinite(scale), axis=-1), 0.0, np.nan)  # per token
         for b in range(table.shape[0]):
             pos = np.arange(int(lengths[b]))
             pages, offsets = table[b, pos // C], pos % C
