@@ -25,9 +25,10 @@ Semantics of int8 / fp8 (one token of one kv head, ``x [H]`` in float32):
 Semantics of int4 (``KVFormat("int4", group_size=g)``, default ``g = 32``): each token's ``[H]``
 vector is cut into ``H // g`` groups of ``g`` consecutive values; per group,
 
-* ``scale = absmax / 7`` rounded *up* to bfloat16 (so ``|x / scale| <= 7`` and nothing clips);
-* ``q = round(x / scale)`` (half to even), clipped to the symmetric levels ``-7..7``; ``-8`` is
-  never written (a stored ``-8`` nibble, e.g. garbage, decodes to ``-8 * scale``);
+* ``scale = absmax / 7`` rounded to the nearest bfloat16 (8 significant bits);
+* ``q = round(x / scale)`` (half to even), clipped to the symmetric levels ``-7..7`` (``x /
+  scale`` stays below ``7 * (1 + 2**-8)``, so the clip costs at most ``absmax * 2**-8``);
+  ``-8`` is never written (a stored ``-8`` nibble, e.g. garbage, decodes to ``-8 * scale``);
 * two levels per byte along ``H``: value ``2i`` in the low nibble of byte ``i``, value
   ``2i + 1`` in the high nibble, each as 4-bit two's complement (``data`` uint8);
 * decoding is ``q.astype(float32) * scale.astype(float32)``, one group at a time.
@@ -43,8 +44,9 @@ Slots no query may see are removed by a select in every path, NaN scales include
 
 Bound per element: int8 ``|x - x'| <= absmax / 254``; fp8 ``|x - x'| <= |x| / 16 +
 absmax / 448 * 2**-10`` (3 mantissa bits; the second term covers e4m3's subnormals); int4
-``|x - x'| <= group_absmax / 14 * (1 + 2**-7)`` (half a level; the factor is the upward
-bfloat16 rounding of the scale, 8 significant bits). Plus float32 rounding of the scale and the
+``|x - x'| <= group_absmax / 14 * (1 + 2**-8)`` (half a level; the factor is the bfloat16
+rounding of the scale). So a constant token does not decode exactly (``1.0`` comes back as
+``0.998``), unlike int8 / fp8. Plus float32 rounding of the scale and the
 product. A token (group) whose scale would be below float32's smallest normal (``absmax < QMAX
 * 2**-126``, about 1.5e-36 for int8) stores zeros, since XLA on CPU flushes subnormals: its
 error is below that.
@@ -120,13 +122,6 @@ class _PerTokenCodec:
         return data.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 
-def _round_up_to_bfloat16(x):
-    """Positive finite float32 ``x`` rounded up to the next bfloat16 (exact where it is one)."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    up = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
-    return lax.bitcast_convert_type(up, jnp.float32).astype(jnp.bfloat16)
-
-
 class _Int4Codec:
     """int4: symmetric levels -7..7, two per byte along H, a bfloat16 scale per group."""
 
@@ -150,7 +145,7 @@ class _Int4Codec:
         *lead, H = x.shape
         groups = x.reshape(*lead, H // group_size, group_size)  # [..., H / g, g]
         scale, keep = _absmax_scale(groups, self.qmax)
-        scale = jnp.where(keep, _round_up_to_bfloat16(jnp.where(keep, scale, 1.0)), scale)
+        # Round to nearest: a scale >= 2**-126 stays >= 2**-126 (a bfloat16 normal).
         scale = jnp.where(keep | jnp.isnan(scale), scale, 0.0).astype(jnp.bfloat16)
         divisor = jnp.where(keep, scale.astype(jnp.float32), 1.0)[..., None]
         levels = jnp.clip(jnp.round(groups / divisor), -self.qmax, self.qmax)
