@@ -120,8 +120,11 @@ def available_kinds(kinds=KINDS) -> tuple[list[str], dict[str, str]]:
     return usable, skipped
 
 
-def storage(name: str) -> tuple[Any, Any]:
-    """``(dtype, kv_format)`` for ``init_paged_cache``: ``"float32"``, ``"bf16"`` or a kind."""
+def storage(name: str, head_dim: int) -> tuple[Any, Any]:
+    """``(dtype, kv_format)`` for ``init_paged_cache``: ``"float32"``, ``"bf16"`` or a kind.
+
+    int4 uses its default group of 32 values along ``H``, or one group of ``H`` when the head
+    dim is smaller (the tiny shapes of the tests)."""
     import jax.numpy as jnp
 
     import paged
@@ -130,6 +133,8 @@ def storage(name: str) -> tuple[Any, Any]:
         return jnp.float32, None
     if name == "bf16":
         return jnp.bfloat16, None
+    if name == "int4" and 0 < head_dim < 32:
+        return jnp.float32, paged.KVFormat(name, group_size=head_dim)
     return jnp.float32, paged.KVFormat(name)
 
 
@@ -144,7 +149,7 @@ def make_cache(name: str, k: np.ndarray, v: np.ndarray, *, page_size: int = PAGE
     M = -(-S // page_size)
     rng = np.random.default_rng(seed)
     table = (rng.permutation(B * M) + 1).astype(np.int32).reshape(B, M)
-    dtype, kv_format = storage(name)
+    dtype, kv_format = storage(name, H)
     cache = paged.init_paged_cache(
         L, K, B * M + 1, page_size, H, batch=B, max_pages_per_seq=M, dtype=dtype,
         kv_format=kv_format,
@@ -175,7 +180,7 @@ def measured_bytes(name: str, head_dim: int, *, page_size: int = PAGE) -> float:
     import paged
 
     L, K, P = 2, 2, 4
-    dtype, kv_format = storage(name)
+    dtype, kv_format = storage(name, head_dim)
     cache = paged.init_paged_cache(
         L, K, P, page_size, head_dim, batch=1, max_pages_per_seq=1, dtype=dtype,
         kv_format=kv_format,
@@ -188,7 +193,7 @@ def formula_bytes(name: str, head_dim: int) -> int:
     ``2 * KVFormat.bytes_per_token(H)`` for a quantized one."""
     import jax.numpy as jnp
 
-    dtype, kv_format = storage(name)
+    dtype, kv_format = storage(name, head_dim)
     if kv_format is None:
         return 2 * head_dim * jnp.dtype(dtype).itemsize
     return 2 * kv_format.bytes_per_token(head_dim)

@@ -232,7 +232,7 @@ def _requantize(pages: QuantizedPages, scale: float):
     """Pages ``1..`` decoded and re-encoded over one scale: ``[K, P - 1, C, H]`` stored."""
     kind = pages.format.kind
     low, high = _RANGE[kind]
-    x = dequantize_block(pages.data[:, 1:], pages.scale[:, 1:]) / np.float32(scale)
+    x = dequantize_block(pages.data[:, 1:], pages.scale[:, 1:], pages.format) / np.float32(scale)
     x = jnp.clip(x, low, high)
     if kind == "int8":
         x = jnp.where(jnp.isnan(x), 0.0, jnp.round(x))
