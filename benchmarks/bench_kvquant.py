@@ -391,7 +391,11 @@ def _fp8_bound(x, absmax):
     return np.abs(x) / 16 + absmax / 448 * 2.0**-10
 
 
-BOUNDS = {"int8": _int8_bound, "fp8": _fp8_bound}
+def _int4_bound(x, absmax):  # absmax: the group's (see within_bound)
+    return absmax / 14 * (1 + 2.0**-8)
+
+
+BOUNDS = {"int8": _int8_bound, "fp8": _fp8_bound, "int4": _int4_bound}
 
 
 def within_bound(kind: str, x: np.ndarray, y: np.ndarray) -> bool | None:
@@ -399,6 +403,11 @@ def within_bound(kind: str, x: np.ndarray, y: np.ndarray) -> bool | None:
     if kind not in BOUNDS:
         return None
     absmax = np.abs(x).max(axis=-1, keepdims=True)
+    if kind == "int4":  # per group of storage()'s group size along H
+        _, kv_format = storage(kind, x.shape[-1])
+        g = kv_format.group_size
+        groups = np.abs(x).reshape(*x.shape[:-1], x.shape[-1] // g, g)
+        absmax = np.repeat(groups.max(axis=-1), g, axis=-1)
     bound = BOUNDS[kind](x, absmax) + 1e-6 * absmax + 1e-30
     return bool(np.all(np.abs(x - y) <= bound))
 
@@ -478,7 +487,8 @@ def error_sections(cases, results) -> list[str]:
         "",
         "rel = `||x - x'|| / ||x||` over the whole tensor; in bound: every element within the "
         "bound documented in `paged/_quantized.py` (int8 `absmax / 254`, fp8 `|x| / 16 + "
-        "absmax / 448 * 2**-10`; `-`: no bound documented).",
+        "absmax / 448 * 2**-10`, int4 `group_absmax / 14 * (1 + 2**-8)`; `-`: no bound "
+        "documented).",
         "",
     ]
     for case in cases:

@@ -113,7 +113,7 @@ def test_bench_kvquant_errors_are_within_bounds_and_ordered_by_bits():
     for case in cases:
         res = results[case.name]
         assert set(res) == {"bf16", *names}
-        for kind in ("int8", "fp8"):  # the documented element-wise bounds hold
+        for kind in ("int8", "fp8", "int4"):  # the documented element-wise bounds hold
             assert res[kind].k_in_bound and res[kind].v_in_bound, (case.name, kind)
         for name, r in res.items():
             assert 0 < r.k.rel < 1 and 0 < r.v.rel < 1 and 0 < r.out.rel < 1, (case.name, name, r)
