@@ -103,9 +103,12 @@ def _check_arrays(fn: str, name: str, k, v, ranks: tuple[int, int], what: str) -
                 f"{fn}: {name}: expected {part}{what} to be a jax.Array, got {type(x).__name__}"
             )
         if x.ndim not in ranks:
-            layouts = (
-                "4 [K, P, C, H] or 5 [L, K, P, C, H]" if ranks == (4, 5) else "3 or 4 [*L, K, P, C]"
-            )
+            if ranks == (3, 4):
+                layouts = "3 or 4 [*L, K, P, C]"
+            elif what == ".scale":  # int4's group scales
+                layouts = "4 or 5 [*L, K, P, C, H / group_size]"
+            else:
+                layouts = "4 [K, P, C, H] or 5 [L, K, P, C, H]"
             raise ValueError(
                 f"{fn}: {name}: expected {part}{what} of rank {layouts}, got shape {x.shape}"
             )

@@ -35,7 +35,10 @@ def is_int(x) -> bool:
 def describe(x) -> str:
     """``shape (..) dtype ..`` of an array, or the repr of anything else."""
     if is_quantized(x):
-        return f"QuantizedPages {x.format.kind!r} shape {tuple(x.data.shape)}"
+        data = tuple(x.data.shape)
+        if tuple(x.shape) == data:
+            return f"QuantizedPages {x.format.kind!r} shape {data}"
+        return f"QuantizedPages {x.format.kind!r} shape {tuple(x.shape)} (data {data})"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"shape {tuple(x.shape)} dtype {x.dtype}"
     return f"{type(x).__name__} {x!r}"
