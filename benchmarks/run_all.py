@@ -23,8 +23,10 @@ SCRIPTS = (
     "bench_policies",
     "bench_offload",
     "bench_ring",
+    "bench_ring_quant",
     "bench_train",
     "bench_decode",
+    "bench_kvquant",
 )
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ n     pages moved by one call
 ====  ==========================================
 
 Pools are ``k_pages, v_pages [L, K, P, C, H]`` (or ``[K, P, C, H]`` per layer); tiers are
-device memory, pinned host memory and disk. Quantized pools (``paged.QuantizedPages``, int8
-or fp8) move through every tier as they are stored: data and scale pages together, bytes
+device memory, pinned host memory and disk. Quantized pools (``paged.QuantizedPages``, int8,
+fp8 or int4) move through every tier as they are stored: data and scale pages together, bytes
 counted for both.
 
 Transfers take their source first, then their destination, and all return a

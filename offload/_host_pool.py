@@ -103,9 +103,12 @@ def _check_arrays(fn: str, name: str, k, v, ranks: tuple[int, int], what: str) -
                 f"{fn}: {name}: expected {part}{what} to be a jax.Array, got {type(x).__name__}"
             )
         if x.ndim not in ranks:
-            layouts = (
-                "4 [K, P, C, H] or 5 [L, K, P, C, H]" if ranks == (4, 5) else "3 or 4 [*L, K, P, C]"
-            )
+            if ranks == (3, 4):
+                layouts = "3 or 4 [*L, K, P, C]"
+            elif what == ".scale":  # int4's group scales
+                layouts = "4 or 5 [*L, K, P, C, H / group_size]"
+            else:
+                layouts = "4 [K, P, C, H] or 5 [L, K, P, C, H]"
             raise ValueError(
                 f"{fn}: {name}: expected {part}{what} of rank {layouts}, got shape {x.shape}"
             )
@@ -133,23 +136,27 @@ def _check_quantized(fn: str, name: str, k, v) -> None:
             f"{v.format.kind!r}"
         )
     _check_arrays(fn, name, k.data, v.data, (4, 5), ".data")
-    _check_arrays(fn, name, k.scale, v.scale, (3, 4), ".scale")
+    fmt = k.format
+    grouped = len(fmt.scale_shape((1, 1))) == 2  # int4: scales [*L, K, P, C, H / g]
+    _check_arrays(fn, name, k.scale, v.scale, (4, 5) if grouped else (3, 4), ".scale")
     data, scale = k.data, k.scale
-    if data.dtype != k.format.storage_dtype or scale.dtype != jnp.float32:
+    if data.dtype != fmt.storage_dtype or scale.dtype != fmt.scale_dtype:
         raise ValueError(
-            f"{fn}: {name}: expected data in {k.format.storage_dtype} and float32 scales for "
-            f"format {k.format.kind!r}, got {data.dtype} and {scale.dtype}"
+            f"{fn}: {name}: expected data in {fmt.storage_dtype} and {fmt.scale_dtype} scales "
+            f"for format {fmt.kind!r}, got {data.dtype} and {scale.dtype}"
         )
-    if scale.shape != data.shape[:-1]:
+    want = fmt.scale_shape(fmt.float_shape(data.shape))
+    if scale.shape != want:
         raise ValueError(
-            f"{fn}: {name}: expected scales shaped {data.shape[:-1]} (data without H), got "
-            f"{scale.shape}"
+            f"{fn}: {name}: expected scales shaped {want} (data's [*L, K, P, C] "
+            f"{'and H / group_size' if grouped else 'without H'}), got {scale.shape}"
         )
     axis = data.ndim - 3
     if (
         scale.sharding.memory_kind != data.sharding.memory_kind
         or page_shards(scale, axis) != page_shards(data, axis)
-        or scale.sharding.shard_shape(scale.shape) != data.sharding.shard_shape(data.shape)[:-1]
+        or scale.sharding.shard_shape(scale.shape)[: data.ndim - 1]
+        != data.sharding.shard_shape(data.shape)[:-1]
     ):
         raise ValueError(
             f"{fn}: {name}: expected scales sharded like the data over [*L, K, P, C] (same "

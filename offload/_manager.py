@@ -35,8 +35,9 @@ def _entry_names(pool) -> tuple[str, ...]:
 
 
 def _format_array(kv_format: KVFormat) -> np.ndarray:
-    """The format's kind as uint8 ASCII bytes (a disk entry holds arrays only)."""
-    return np.frombuffer(kv_format.kind.encode("ascii"), np.uint8).copy()
+    """The format's tag (its kind; int4 adds its group, ``"int4-g32"``) as uint8 ASCII bytes
+    (a disk entry holds arrays only)."""
+    return np.frombuffer(kv_format.tag.encode("ascii"), np.uint8).copy()
 
 
 def _format_kind(array) -> str | None:
@@ -443,7 +444,7 @@ class OffloadManager:
     def _check_entry(fn: str, request_id: str, arrays: dict, like) -> list[np.ndarray]:
         """The entry's page arrays in leaf order, checked against host pool ``k_pages`` ``like``."""
         stored = _format_kind(arrays.get("format"))
-        want_kind = like.format.kind if isinstance(like, QuantizedPages) else None
+        want_kind = like.format.tag if isinstance(like, QuantizedPages) else None
         if stored != want_kind or (want_kind is None and "k_scale" in arrays):
 
             def kind(x):
@@ -459,11 +460,12 @@ class OffloadManager:
         for name in _entry_names(like):
             x = arrays.get(name)
             if name.endswith("_scale"):
-                values = parts[-1]
-                if x is None or x.shape != values.shape[:-1] or x.dtype != np.float32:
+                fmt = like.format
+                shape = fmt.scale_shape(fmt.float_shape(parts[-1].shape))
+                if x is None or x.shape != shape or x.dtype != fmt.scale_dtype:
                     raise CorruptCacheError(
                         f"{fn}: request_id: expected disk entry {request_id!r} array {name!r} "
-                        f"float32 {values.shape[:-1]} (the scales of its data), got "
+                        f"{fmt.scale_dtype} {shape} (the scales of its data), got "
                         f"{None if x is None else (x.shape, x.dtype)}"
                     )
             elif (

@@ -34,11 +34,12 @@ that would cross devices is a ``ValueError``). :func:`prefetch_layer` of such a 
 ``n / D`` slots of each device block in block order and returns ``[K, n, C, H]`` split along
 ``n`` the same way (each device fetches its own pages); ``into`` is not supported there.
 
-Quantized pools (``paged.QuantizedPages``, int8 or fp8) move as they are stored, in every
+Quantized pools (``paged.QuantizedPages``, int8, fp8 or int4) move as they are stored, in every
 layout above: each call copies the ``data`` and the ``scale`` pages of the same ids together
 (both leaves in place), the host pool is quantized in the same format (build it with
 :func:`~offload.make_host_page_pool` from the device pool), and ``nbytes`` counts data plus
-scales (``H * itemsize + 4`` bytes per token per kv head, about half of bf16). Float and
+scales (``paged.KVFormat.bytes_per_token``: ``H + 4`` bytes per token per kv head for int8 /
+fp8, about half of bf16; ``H / 2 + 2 H / g`` for int4, about 0.28 of bf16). Float and
 quantized pools, or two formats, never mix (``ValueError``).
 """
 
@@ -288,9 +289,9 @@ def prefetch_layer(
                     and x.format == pool.format
                     and isinstance(x.data, jax.Array)
                     and isinstance(x.scale, jax.Array)
-                    and x.data.shape == want
+                    and x.data.shape == pool.format.data_shape(want)
                     and x.data.dtype == pool.dtype
-                    and x.scale.shape == want[:-1]
+                    and x.scale.shape == pool.format.scale_shape(want)
                     and x.scale.dtype == pool.scale.dtype
                 )
             return isinstance(x, jax.Array) and x.shape == want and x.dtype == pool.dtype

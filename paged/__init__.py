@@ -32,12 +32,20 @@ the window) have no effect on any output, even if they hold NaN or inf.
 
 Quantized KV: ``init_paged_cache(..., kv_format=KVFormat("int8" | "fp8"))`` stores pools as
 :class:`QuantizedPages` (int8 / float8_e4m3fn values plus one float32 absmax scale per token
-per kv head, ``scale [L, K, P, C]`` beside ``data [L, K, P, C, H]``); writes quantize, the
-attention functions decode one page block at a time in float32, :func:`gather_kv` decodes.
-:func:`quantize_pages` turns a float pool into one.
+per kv head, ``scale [L, K, P, C]`` beside ``data [L, K, P, C, H]``); ``KVFormat("int4",
+group_size=32)`` packs two symmetric 4-bit levels (-7..7) per byte, ``data [L, K, P, C, H //
+2]`` uint8, with one bfloat16 scale per group of ``group_size`` values along ``H``, ``scale
+[L, K, P, C, H // group_size]`` (``H / 2 + 2 H / group_size`` bytes per token per kv head,
+0.281 of bf16 at ``H = 128``; per element ``|x - x'| <= group_absmax / 14 * (1 + 2**-8)``).
+``QuantizedPages.shape`` is always the float pool's. Writes quantize, the attention functions
+decode one page block at a time in float32, :func:`gather_kv` decodes. :func:`quantize_pages`
+turns a float pool into one.
 
 Page 0 is our reserved null page; JAX's and vLLM's page tables use page 0 as an ordinary
-page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages).
+page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages),
+:func:`to_zero_based_table` back. ``from_jax_*`` / ``to_jax_*`` convert quantized pools to and
+from JAX's kernels' conventions (ragged ``k_scale`` / ``v_scale``, TPU int8
+``QuantizedTensor``, GPU scale pages).
 """
 
 from paged._allocator import Admission, PageAllocator
@@ -66,6 +74,19 @@ from paged._device_alloc import (
     push_pages,
     taken_pages,
 )
+from paged._interop import (
+    JAX_TPU_MAX_INT8,
+    JaxRaggedKV,
+    JaxScalePages,
+    KVPoolPair,
+    from_jax_gpu_scale_pages,
+    from_jax_ragged_kv_pages,
+    from_jax_tpu_quantized,
+    to_jax_gpu_scale_pages,
+    to_jax_ragged_kv_pages,
+    to_jax_tpu_quantized,
+    to_zero_based_table,
+)
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
 from paged._quantized import KVFormat, QuantizedPages, quantize_pages, select_rows
@@ -74,11 +95,15 @@ from paged._sharded import sharded_paged_attention
 from paged._validate import from_zero_based_table, validate, validate_page_table
 
 __all__ = [
+    "JAX_TPU_MAX_INT8",
     "NULL_PAGE",
     "Admission",
     "AllocatorStats",
     "CopyPlan",
+    "JaxRaggedKV",
+    "JaxScalePages",
     "KVFormat",
+    "KVPoolPair",
     "OutOfPages",
     "PageAllocator",
     "DEFAULT_PAGES_PER_BLOCK",
@@ -90,6 +115,9 @@ __all__ = [
     "append",
     "copy_pages",
     "ensure_next_page",
+    "from_jax_gpu_scale_pages",
+    "from_jax_ragged_kv_pages",
+    "from_jax_tpu_quantized",
     "from_zero_based_table",
     "gather_kv",
     "init_paged_cache",
@@ -104,6 +132,10 @@ __all__ = [
     "ragged_paged_attention_reference",
     "sharded_paged_attention",
     "taken_pages",
+    "to_jax_gpu_scale_pages",
+    "to_jax_ragged_kv_pages",
+    "to_jax_tpu_quantized",
+    "to_zero_based_table",
     "validate",
     "validate_page_table",
     "with_page_table",

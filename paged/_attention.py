@@ -213,7 +213,7 @@ def paged_attention(
     Args:
       q: ``[B, T, N, H]`` queries, ``T`` small (a decode step, speculative tokens).
       k_pages: ``[K, P, C, H]`` key pool (heads-major), same dtype as ``q``; page 0 is null.
-        Or a :class:`paged.QuantizedPages` (int8 / fp8 with per-token scales, any float
+        Or a :class:`paged.QuantizedPages` (int8 / fp8 per-token or int4 group scales, any float
         ``q``): decoded block by block in float32 inside the page walk.
       v_pages: ``[K, P, C, H]`` value pool, of the same kind (and format) as ``k_pages``.
       page_table: ``[B, M]`` int page ids (numpy from the allocator, or jax); slot ``j`` of
@@ -372,7 +372,7 @@ def ragged_paged_attention(
     Args:
       q: ``[Q, N, H]`` queries of all sequences, concatenated (``Q`` = total tokens).
       k_pages: ``[K, P, C, H]`` key pool (heads-major), same dtype as ``q``; page 0 is null.
-        Or a :class:`paged.QuantizedPages` (int8 / fp8 with per-token scales, any float
+        Or a :class:`paged.QuantizedPages` (int8 / fp8 per-token or int4 group scales, any float
         ``q``): decoded block by block in float32 inside the page walk.
       v_pages: ``[K, P, C, H]`` value pool, of the same kind (and format) as ``k_pages``.
       page_table: ``[B, M]`` int page ids per sequence (unused slots: 0).

@@ -21,8 +21,9 @@ cache eagerly and loudly.
 
 With a :class:`paged.KVFormat` (``init_paged_cache(..., kv_format=KVFormat("int8"))``) the
 pools are :class:`paged.QuantizedPages` (``data [L, K, P, C, H]`` int8 / float8_e4m3fn plus
-``scale [L, K, P, C]`` float32): every write quantizes each token's ``[H]`` vector per kv head
-on the way in, :func:`gather_kv` decodes to float32, and ``cache.k_pages[layer]`` is the
+``scale [L, K, P, C]`` float32; int4: ``data [L, K, P, C, H // 2]`` uint8 plus ``scale
+[L, K, P, C, H // group_size]`` bfloat16): every write quantizes each token's ``[H]`` vector
+per kv head on the way in, :func:`gather_kv` decodes to float32, and ``cache.k_pages[layer]`` is the
 layer's quantized pool, which the paged attention functions take as they take a float pool.
 
 Every function here is jittable as it is (``jax.jit(write)``); ``gather_kv`` takes its layer
@@ -61,8 +62,8 @@ class PagedKVCache(NamedTuple):
     Attributes:
       k_pages: ``[L, K, P, C, H]`` keys; ``k_pages[l, h, page_table[b, i // C], i % C]`` is
         token ``i`` of sequence ``b``. Page 0 is the null page. A float array, or a
-        :class:`paged.QuantizedPages` (data of that shape, scales ``[L, K, P, C]``) for a
-        cache built with a ``kv_format``.
+        :class:`paged.QuantizedPages` (``shape`` that shape; scales ``[L, K, P, C]``, int4
+        ``[L, K, P, C, H // group_size]``) for a cache built with a ``kv_format``.
       v_pages: ``[L, K, P, C, H]`` values, of the same kind as ``k_pages``.
       page_table: ``[B, M]`` int32 page ids (0 = no page).
       lengths: ``[B]`` int32 valid tokens per sequence.
@@ -117,15 +118,17 @@ def init_paged_cache(
       dtype: pool dtype (a float dtype). Still checked, but unused with a ``kv_format``.
       kv_format: None (float pools of ``dtype``, as always) or a :class:`paged.KVFormat`:
         the pools are then :class:`paged.QuantizedPages` (data ``[L, K, P, C, H]`` in
-        ``kv_format.storage_dtype``, zero; scales ``[L, K, P, C]`` float32, zero), read back
-        as float32.
+        ``kv_format.storage_dtype``, zero; scales ``[L, K, P, C]`` float32, zero; int4: data
+        ``[L, K, P, C, H // 2]`` uint8 and scales ``[L, K, P, C, H // group_size]``
+        bfloat16), read back as float32.
 
     Returns:
       A :class:`PagedKVCache`.
 
     Raises:
       ValueError: on a non-positive size, ``num_pages < 2``, a non-float dtype or a
-        ``kv_format`` that is not a :class:`paged.KVFormat`.
+        ``kv_format`` that is not a :class:`paged.KVFormat`, or (int4) a ``head_dim`` that
+        is not a multiple of its ``group_size``.
 
     Example:
       >>> cache = init_paged_cache(2, 1, 8, 4, 16, batch=2, max_pages_per_seq=3)
@@ -167,11 +170,13 @@ def init_paged_cache(
 
         k_pages, v_pages = pool("channel"), pool("token")
     elif isinstance(kv_format, KVFormat):
+        kv_format.check_head_dim(fn, "head_dim", H)
+        shape = (L, K, P, C, H)
 
         def pool():
             return QuantizedPages(
-                jnp.zeros((L, K, P, C, H), kv_format.storage_dtype),
-                jnp.zeros((L, K, P, C), jnp.float32),
+                jnp.zeros(kv_format.data_shape(shape), kv_format.storage_dtype),
+                jnp.zeros(kv_format.scale_shape(shape), kv_format.scale_dtype),
                 kv_format,
             )
 

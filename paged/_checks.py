@@ -35,7 +35,10 @@ def is_int(x) -> bool:
 def describe(x) -> str:
     """``shape (..) dtype ..`` of an array, or the repr of anything else."""
     if is_quantized(x):
-        return f"QuantizedPages {x.format.kind!r} shape {tuple(x.data.shape)}"
+        data = tuple(x.data.shape)
+        if tuple(x.shape) == data:
+            return f"QuantizedPages {x.format.kind!r} shape {data}"
+        return f"QuantizedPages {x.format.kind!r} shape {tuple(x.shape)} (data {data})"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"shape {tuple(x.shape)} dtype {x.dtype}"
     return f"{type(x).__name__} {x!r}"
@@ -100,11 +103,15 @@ def check_quantized(fn: str, name: str, pages, ndim: int) -> None:
     if kv_format.kind == "kivi2":
         _check_kivi(fn, name, pages)
         return
-    if tuple(scale.shape) != tuple(data.shape[:-1]) or scale.dtype != jnp.float32:
+    H = kv_format.float_shape(data.shape)[-1]
+    want = kv_format.scale_shape(kv_format.float_shape(data.shape))
+    if tuple(scale.shape) != want or scale.dtype != kv_format.scale_dtype:
+        groups = "per group along H" if len(want) == ndim else "data's shape without H"
         raise ValueError(
-            f"{fn}: {name}.scale: expected float32 scales of shape {tuple(data.shape[:-1])} "
-            f"(data's shape without H), got {describe(scale)}"
+            f"{fn}: {name}.scale: expected {kv_format.scale_dtype} scales of shape {want} "
+            f"({groups}), got {describe(scale)}"
         )
+    kv_format.check_head_dim(fn, f"{name}.data", H)
 
 
 def _check_kivi(fn: str, name: str, pages) -> None:

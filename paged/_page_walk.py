@@ -15,7 +15,7 @@ never reaches a result.
 
 Quantized pools (:class:`paged.QuantizedPages`) are decoded one block at a time: the step
 gathers the block's stored values and scales and multiplies them out in float32
-(``[K, pages_per_block * C, H]``), so no decoded copy of the pool ever exists; queries are
+(``[K, pages_per_block * C, H]``; int4 unpacks its nibbles and applies its group scales here), so no decoded copy of the pool ever exists; queries are
 then taken in float32 too. A NaN scale in a slot nobody may see is removed by the same
 selects.
 """

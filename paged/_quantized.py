@@ -1,30 +1,59 @@
-"""Quantized KV pages: int8 and fp8 (``float8_e4m3fn``) with per-token, per-kv-head scales.
+"""Quantized KV pages: int8, fp8 (``float8_e4m3fn``) and int4, with absmax scales.
 
-A quantized pool is a :class:`QuantizedPages` ``(data, scale, format)``: ``data`` has the float
-pool's shape (``[L, K, P, C, H]`` for a cache, ``[K, P, C, H]`` for one layer) in the storage
-dtype of :class:`KVFormat`, and ``scale`` the same shape without ``H``, float32. A scale page
-sits beside its value page (same page id, so the null page 0 and the page table are shared).
+A quantized pool is a :class:`QuantizedPages` ``(data, scale, format)``. It stands for a float
+pool of shape ``[*lead, C, H]`` (``[L, K, P, C, H]`` for a cache, ``[K, P, C, H]`` for one
+layer), which :attr:`QuantizedPages.shape` keeps reporting; the leaves depend on the kind:
 
-Semantics (one token of one kv head, ``x [H]`` in float32):
+========  ==========================  ==========================  =====================
+kind      ``data``                    ``scale``                   scale per
+========  ==========================  ==========================  =====================
+int8      ``[*lead, C, H]`` int8      ``[*lead, C]`` float32      token, kv head
+fp8       ``[*lead, C, H]`` e4m3fn    ``[*lead, C]`` float32      token, kv head
+int4      ``[*lead, C, H // 2]`` u8   ``[*lead, C, H // g]`` bf16  group of ``g`` along H
+========  ==========================  ==========================  =====================
+
+A scale page sits beside its value page (same page id, so the null page 0 and the page table
+are shared). Each kind's encoding and decoding live in one small codec (``_CODECS``).
+
+Semantics of int8 / fp8 (one token of one kv head, ``x [H]`` in float32):
 
 * ``absmax = max(|x|)``, ``scale = absmax / QMAX`` (``QMAX = 127`` for int8, 448 for fp8);
 * ``data = round(x / scale)``: round half to even and clip to ``[-127, 127]`` for
   int8; a cast to ``float8_e4m3fn`` (round to nearest even) for fp8;
-* decoding is ``data.astype(float32) * scale``, always float32;
-* an all-zero token gets ``scale = 0`` and ``data = 0`` and decodes to exact zeros;
-* a token holding NaN or inf in any of its ``H`` values gets ``scale = NaN`` and ``data = 0``:
-  it decodes to NaN everywhere (inf is not representable), so it propagates to the rows that
-  see it, as a NaN does in a float pool. :func:`paged.validate` rejects such a token in a
-  readable slot loudly. Slots no query may see are removed by a select in every path, NaN
-  scales included.
+* decoding is ``data.astype(float32) * scale``, always float32.
+
+Semantics of int4 (``KVFormat("int4", group_size=g)``, default ``g = 32``): each token's ``[H]``
+vector is cut into ``H // g`` groups of ``g`` consecutive values; per group,
+
+* ``scale = absmax / 7`` rounded to the nearest bfloat16 (8 significant bits);
+* ``q = round(x / scale)`` (half to even), clipped to the symmetric levels ``-7..7`` (``x /
+  scale`` stays below ``7 * (1 + 2**-8)``, so the clip costs at most ``absmax * 2**-8``);
+  ``-8`` is never written (a stored ``-8`` nibble, e.g. garbage, decodes to ``-8 * scale``);
+* two levels per byte along ``H``: value ``2i`` in the low nibble of byte ``i``, value
+  ``2i + 1`` in the high nibble, each as 4-bit two's complement (``data`` uint8);
+* decoding is ``q.astype(float32) * scale.astype(float32)``, one group at a time.
+
+``H`` must be a multiple of ``g`` (so even): ``init_paged_cache`` and ``quantize_pages`` raise
+``ValueError`` otherwise, including when ``H < g`` (choose ``group_size=H`` or a divisor).
+
+All kinds: an all-zero token (group) gets ``scale = 0`` and ``data = 0`` and decodes to exact
+zeros. A token (int4: a group) holding NaN or inf gets ``scale = NaN`` and ``data = 0``: it
+decodes to NaN (inf is not representable), so it propagates to the rows that see it, as a NaN
+does in a float pool. :func:`paged.validate` rejects such a token in a readable slot loudly.
+Slots no query may see are removed by a select in every path, NaN scales included.
 
 Bound per element: int8 ``|x - x'| <= absmax / 254``; fp8 ``|x - x'| <= |x| / 16 +
-absmax / 448 * 2**-10`` (3 mantissa bits; the second term covers e4m3's subnormals), plus
-float32 rounding of the scale and the product. A token whose scale would be below float32's
-smallest normal (``absmax < QMAX * 2**-126``, about 1.5e-36 for int8) stores zeros, since XLA
-on CPU flushes subnormals: its error is below that.
+absmax / 448 * 2**-10`` (3 mantissa bits; the second term covers e4m3's subnormals); int4
+``|x - x'| <= group_absmax / 14 * (1 + 2**-8)`` (half a level; the factor is the bfloat16
+rounding of the scale). So a constant token does not decode exactly (``1.0`` comes back as
+``0.998``), unlike int8 / fp8. Plus float32 rounding of the scale and the
+product. A token (group) whose scale would be below float32's smallest normal (``absmax < QMAX
+* 2**-126``, about 1.5e-36 for int8) stores zeros, since XLA on CPU flushes subnormals: its
+error is below that.
 
-Bytes per token per kv head: ``H * itemsize + 4`` (one float32 scale), for keys and for values.
+Bytes per token per kv head, for keys and for values: int8 / fp8 ``H + 4`` (one float32
+scale); int4 ``H / 2 + 2 * H / g`` (bfloat16 scales): 72 at ``H = 128, g = 32``, 0.281 of
+bfloat16's 256 (float32 scales would give 80, 0.3125).
 """
 
 import dataclasses
@@ -33,6 +62,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array, Float
 
 from paged import _kivi
@@ -49,15 +79,127 @@ __all__ = [
     "take_decoded",
 ]
 
-# kind -> (storage dtype, largest magnitude a quantized value takes).
-_FORMATS = {
-    "int8": (jnp.int8, 127.0),
-    "fp8": (jnp.float8_e4m3fn, 448.0),
-    "kivi2": (jnp.uint8, 3.0),
+_TINY = 2.0**-126  # float32's smallest normal: smaller scales are flushed, the token stores 0
+
+
+def _absmax_scale(x, qmax, axis=-1):
+    """``(scale, keep)`` of float32 ``x``: ``absmax / qmax`` along ``axis`` (NaN where the
+    vector holds NaN / inf) and whether the vector stores non-zero levels."""
+    absmax = jnp.max(jnp.abs(x), axis=axis)
+    finite = jnp.isfinite(absmax)
+    scale = jnp.where(finite, absmax / qmax, jnp.nan)
+    return scale, finite & (scale >= _TINY)
+
+
+class _PerTokenCodec:
+    """int8 / fp8: one float32 absmax scale per ``[H]`` vector, ``data`` of ``x``'s shape."""
+
+    def __init__(self, storage_dtype, qmax: float, rounds: bool):
+        self.storage_dtype, self.scale_dtype = jnp.dtype(storage_dtype), jnp.dtype(jnp.float32)
+        self.qmax, self.rounds = qmax, rounds
+
+    def data_shape(self, shape, group_size):
+        return tuple(shape)
+
+    def scale_shape(self, shape, group_size):
+        return tuple(shape[:-1])
+
+    def float_shape(self, data_shape, group_size):
+        return tuple(data_shape)
+
+    def bytes_per_token(self, H, group_size):
+        return H * self.storage_dtype.itemsize + 4
+
+    def encode(self, x, group_size):
+        scale, keep = _absmax_scale(x, self.qmax)
+        # Divide by the scale, not by absmax: XLA computes x / y as x * (1 / y), and 1 / absmax
+        # is subnormal (flushed to zero on CPU) for absmax > 2**126, while 1 / scale is not.
+        scaled = x / jnp.where(keep, scale, 1.0)[..., None]
+        scaled = jnp.clip(scaled, -self.qmax, self.qmax)
+        if self.rounds:
+            scaled = jnp.round(scaled)
+        data = jnp.where(keep[..., None], scaled, 0.0).astype(self.storage_dtype)
+        return data, scale
+
+    def decode(self, data, scale, group_size):
+        return data.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
+class _Int4Codec:
+    """int4: symmetric levels -7..7, two per byte along H, a bfloat16 scale per group."""
+
+    storage_dtype = jnp.dtype(jnp.uint8)
+    scale_dtype = jnp.dtype(jnp.bfloat16)
+    qmax = 7.0
+
+    def data_shape(self, shape, group_size):
+        return (*shape[:-1], shape[-1] // 2)
+
+    def scale_shape(self, shape, group_size):
+        return (*shape[:-1], shape[-1] // group_size)
+
+    def float_shape(self, data_shape, group_size):
+        return (*data_shape[:-1], 2 * data_shape[-1])
+
+    def bytes_per_token(self, H, group_size):
+        return H // 2 + 2 * (H // group_size)
+
+    def encode(self, x, group_size):
+        *lead, H = x.shape
+        groups = x.reshape(*lead, H // group_size, group_size)  # [..., H / g, g]
+        scale, keep = _absmax_scale(groups, self.qmax)
+        # Round to nearest: a scale >= 2**-126 stays >= 2**-126 (a bfloat16 normal).
+        scale = jnp.where(keep | jnp.isnan(scale), scale, 0.0).astype(jnp.bfloat16)
+        divisor = jnp.where(keep, scale.astype(jnp.float32), 1.0)[..., None]
+        levels = jnp.clip(jnp.round(groups / divisor), -self.qmax, self.qmax)
+        levels = jnp.where(keep[..., None], levels, 0.0).astype(jnp.int8).reshape(*lead, H)
+        nibbles = lax.bitcast_convert_type(levels, jnp.uint8) & jnp.uint8(0xF)
+        data = nibbles[..., 0::2] | (nibbles[..., 1::2] << jnp.uint8(4))  # [..., H / 2]
+        return data, scale
+
+    def decode(self, data, scale, group_size):
+        *lead, half = data.shape
+        signed = lax.bitcast_convert_type(data, jnp.int8)
+        low = lax.bitcast_convert_type(data << jnp.uint8(4), jnp.int8) >> jnp.int8(4)
+        high = signed >> jnp.int8(4)  # arithmetic shifts: the nibbles' two's complement
+        levels = jnp.stack([low, high], axis=-1).astype(jnp.float32)  # [..., H / 2, 2]
+        levels = levels.reshape(*lead, -1, group_size)  # [..., H / g, g]
+        return (levels * scale.astype(jnp.float32)[..., None]).reshape(*lead, 2 * half)
+
+
+class _Kivi2Codec:
+    """kivi2 (see :mod:`paged._kivi`): 2-bit codes, four per byte along H, bfloat16 scale and
+    zero per channel over each key page / per value token; written through ``paged.write``."""
+
+    storage_dtype = jnp.dtype(jnp.uint8)
+    scale_dtype = jnp.dtype(jnp.bfloat16)
+    qmax = 3.0
+
+    def data_shape(self, shape, group_size):
+        return (*shape[:-1], shape[-1] // 4)
+
+    def scale_shape(self, shape, group_size, grouping="token"):
+        return (*shape[:-2], shape[-1]) if grouping == "channel" else tuple(shape[:-1])
+
+    def float_shape(self, data_shape, group_size):
+        return (*data_shape[:-1], 4 * data_shape[-1])
+
+    def bytes_per_token(self, H, group_size, page_size):
+        return (H / 4 + 4 * H / page_size + H / 4 + 4) / 2
+
+    def encode(self, x, group_size):
+        raise ValueError("kivi2 pages are written through paged.write / write_layer / append")
+
+
+_CODECS = {
+    "int8": _PerTokenCodec(jnp.int8, 127.0, rounds=True),
+    "fp8": _PerTokenCodec(jnp.float8_e4m3fn, 448.0, rounds=False),
+    "int4": _Int4Codec(),
+    "kivi2": _Kivi2Codec(),
 }
-_PLANNED = ("int4",)
-# Codes per stored byte along H.
-_PACK = {"kivi2": 4}
+_PLANNED = ()
+_GROUPED = ("int4",)  # kinds that read group_size
+_DEFAULT_GROUP = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,70 +207,123 @@ class KVFormat:
     """How KV pages are stored: a frozen, hashable config (a static ``jit`` argument).
 
     Attributes:
-      kind: ``"int8"`` (symmetric, 127 levels each side) or ``"fp8"`` (``float8_e4m3fn``).
-        Both use one float32 absmax scale per token per kv head. ``"int4"`` and ``"kivi2"``
-        are planned and raise ``NotImplementedError`` for now.
+      kind: ``"int8"`` (symmetric, 127 levels each side) or ``"fp8"`` (``float8_e4m3fn``),
+        both with one float32 absmax scale per token per kv head; or ``"int4"`` (symmetric
+        levels -7..7, two per byte, one bfloat16 absmax scale per group of ``group_size``
+        values along ``H``); or ``"kivi2"`` (KIVI-style 2-bit: keys per channel over each page,
+        values per token, bfloat16 scale and zero-point, the open page of each sequence in
+        float32; see :mod:`paged._kivi`).
+      group_size: int4's group along ``H`` (a positive even int, default 32; ``H`` must be a
+        multiple of it). int8 and fp8 have no groups and require the default (so that equal
+        formats compare equal).
 
     Raises:
-      ValueError: if ``kind`` is not a known format name.
+      ValueError: if ``kind`` is not a known format name, or ``group_size`` is not a positive
+        even int (or differs from the default for int8 / fp8).
       NotImplementedError: for a planned but not yet supported kind.
 
     Example:
-      >>> KVFormat("int8").storage_dtype, KVFormat("fp8").qmax
-      (dtype('int8'), 448.0)
+      >>> KVFormat("int8").storage_dtype, KVFormat("fp8").qmax, KVFormat("int4").scale_dtype
+      (dtype('int8'), 448.0, dtype(bfloat16))
+      >>> KVFormat("int4").bytes_per_token(128), KVFormat("int8").bytes_per_token(128)
+      (72, 132)
     """
 
     kind: str
+    group_size: int = _DEFAULT_GROUP
 
     def __post_init__(self):
+        known = sorted(_CODECS)
         if not isinstance(self.kind, str):
-            raise ValueError(
-                f"KVFormat: kind: expected one of {sorted(_FORMATS)}, got {self.kind!r}"
-            )
+            raise ValueError(f"KVFormat: kind: expected one of {known}, got {self.kind!r}")
         if self.kind in _PLANNED:
             raise NotImplementedError(
-                f"KVFormat: kind: {self.kind!r} is not yet supported (supported: "
-                f"{sorted(_FORMATS)})"
+                f"KVFormat: kind: {self.kind!r} is not yet supported (supported: {known})"
             )
-        if self.kind not in _FORMATS:
+        if self.kind not in _CODECS:
+            raise ValueError(f"KVFormat: kind: expected one of {known}, got {self.kind!r}")
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g <= 0 or g % 2:
+            raise ValueError(f"KVFormat: group_size: expected a positive even int, got {g!r}")
+        if self.kind not in _GROUPED and g != _DEFAULT_GROUP:
             raise ValueError(
-                f"KVFormat: kind: expected one of {sorted(_FORMATS)}, got {self.kind!r}"
+                f"KVFormat: group_size: {self.kind!r} has one scale per token (no groups): "
+                f"leave group_size at its default {_DEFAULT_GROUP}, got {g!r}"
             )
+        object.__setattr__(self, "group_size", int(g))
+
+    @property
+    def _codec(self):
+        return _CODECS[self.kind]
 
     @property
     def storage_dtype(self) -> np.dtype:
-        """The dtype of ``QuantizedPages.data``."""
-        return jnp.dtype(_FORMATS[self.kind][0])
+        """The dtype of ``QuantizedPages.data`` (int8, float8_e4m3fn, uint8 for int4)."""
+        return self._codec.storage_dtype
+
+    @property
+    def scale_dtype(self) -> np.dtype:
+        """The dtype of ``QuantizedPages.scale`` (float32; bfloat16 for int4)."""
+        return self._codec.scale_dtype
 
     @property
     def qmax(self) -> float:
-        """Largest magnitude of a stored value: ``scale = absmax / qmax``."""
-        return _FORMATS[self.kind][1]
+        """Largest magnitude of a stored level: ``scale = absmax / qmax`` (127, 448, 7)."""
+        return self._codec.qmax
+
+    @property
+    def tag(self) -> str:
+        """A name that identifies the format: the kind, plus ``-g{group_size}`` for int4."""
+        return f"{self.kind}-g{self.group_size}" if self.kind in _GROUPED else self.kind
+
+    def check_head_dim(self, fn: str, name: str, head_dim: int) -> None:
+        """Raises ``ValueError`` (naming ``fn`` and ``name``) unless this format stores ``H``."""
+        if self.kind == "kivi2" and int(head_dim) % 4:
+            raise ValueError(
+                f"{fn}: {name}: kivi2 packs 4 codes a byte: expected H % 4 == 0, got H={head_dim}"
+            )
+        if self.kind in _GROUPED and int(head_dim) % self.group_size:
+            raise ValueError(
+                f"{fn}: {name}: expected a head dim H divisible by the {self.kind} group_size "
+                f"{self.group_size}, got H={head_dim} (pass KVFormat({self.kind!r}, "
+                f"group_size=...) with a divisor of H)"
+            )
+
+    def data_shape(self, shape) -> tuple[int, ...]:
+        """The shape of ``data`` for a float pool of ``shape`` ``[..., C, H]``."""
+        return self._codec.data_shape(tuple(shape), self.group_size)
+
+    def scale_shape(self, shape) -> tuple[int, ...]:
+        """The shape of ``scale`` for a float pool of ``shape``: ``[..., C]`` or ``[..., C, H/g]``."""
+        return self._codec.scale_shape(tuple(shape), self.group_size)
+
+    def float_shape(self, data_shape) -> tuple[int, ...]:
+        """The float pool's shape ``[..., C, H]`` from the shape of ``data``."""
+        return self._codec.float_shape(tuple(data_shape), self.group_size)
 
     @property
     def codes_per_byte(self) -> int:
-        """Stored values per byte of ``data`` along ``H`` (4 for ``kivi2``, else 1)."""
-        return _PACK.get(self.kind, 1)
+        """Stored values per byte of ``data`` along ``H``: 1 (int8, fp8), 2 (int4), 4 (kivi2)."""
+        return {"int4": 2, "kivi2": 4}.get(self.kind, 1)
 
     def bytes_per_token(self, head_dim: int, page_size: int | None = None) -> int | float:
-        """Bytes one token takes per kv head, keys and values averaged.
+        """Bytes one token takes per kv head, for keys or for values, scales included.
 
-        int8 / fp8: ``H * itemsize + 4`` (one float32 scale). kivi2: keys ``H / 4 + 4 H / C``
-        (a bfloat16 scale and zero per channel per page of ``C = page_size`` tokens), values
-        ``H / 4 + 4`` (a bfloat16 pair per token), averaged; the residual page per sequence
-        is not per token and is not counted.
+        int8 / fp8: ``H * itemsize + 4``; int4: ``H / 2 + 2 * H / group_size``. kivi2 (needs
+        ``page_size`` ``C``): keys ``H / 4 + 4 H / C``, values ``H / 4 + 4``, averaged; the
+        float32 residual page of each sequence is per sequence, not per token, and not
+        counted.
         """
-        H = int(head_dim)
         if self.kind == "kivi2":
             if page_size is None:
                 raise ValueError("KVFormat.bytes_per_token: kivi2 needs page_size")
-            return (H / 4 + 4 * H / int(page_size) + H / 4 + 4) / 2
-        return H * self.storage_dtype.itemsize + 4
+            return self._codec.bytes_per_token(int(head_dim), self.group_size, int(page_size))
+        return int(self._codec.bytes_per_token(int(head_dim), self.group_size))
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedPages:
-    """A quantized page pool: stored values, their float32 scales and the format.
+    """A quantized page pool: stored values, their scales and the format.
 
     A pytree (``data`` and ``scale`` are leaves, ``format`` is static), so it passes through
     ``jit``, ``vmap``, ``shard_map`` (a ``PartitionSpec`` of the page axis applies to both
@@ -137,20 +332,24 @@ class QuantizedPages:
     in place of a float pool.
 
     Attributes:
-      data: ``[*lead, C, H]`` (``[L, K, P, C, H]`` or ``[K, P, C, H]``) values in
-        ``format.storage_dtype``.
-      scale: ``[*lead, C]`` float32 per-token, per-kv-head scales (``absmax / qmax``).
+      data: ``format.data_shape([*lead, C, H])`` values in ``format.storage_dtype``:
+        ``[*lead, C, H]`` for int8 / fp8, ``[*lead, C, H // 2]`` uint8 for int4.
+      scale: ``format.scale_shape(...)`` in ``format.scale_dtype``: ``[*lead, C]`` float32
+        per-token scales for int8 / fp8, ``[*lead, C, H // group_size]`` bfloat16 for int4.
       format: the :class:`KVFormat`.
 
-    ``shape`` and ``ndim`` are those of ``data`` (the float pool's); ``dtype`` is the storage
-    dtype (``int8`` / ``float8_e4m3fn``), while every read decodes to float32; ``nbytes``
-    counts data and scales. Indexing (``pages[l]``, ``pages[:, :, ids]``, ``pages[None]``)
-    applies to the axes before ``C`` only, to data and scales alike.
+    ``shape`` is the float pool's ``[*lead, C, H]`` (for every kind) and ``ndim`` its rank;
+    ``dtype`` is the storage dtype, while every read decodes to float32; ``nbytes`` counts
+    data and scales. Indexing (``pages[l]``, ``pages[:, :, ids]``, ``pages[None]``) applies to
+    the axes before ``C`` only, to data and scales alike.
 
     Example:
       >>> pages = quantize_pages(jnp.ones((1, 2, 4, 8)), KVFormat("int8"))
       >>> pages.shape, pages.dtype, pages.nbytes, float(pages.dequantize()[0, 0, 0, 0])
       ((1, 2, 4, 8), dtype('int8'), 96, 1.0)
+      >>> pages = quantize_pages(jnp.ones((1, 2, 4, 8)), KVFormat("int4", group_size=4))
+      >>> pages.shape, pages.data.shape, pages.scale.shape, pages.nbytes
+      ((1, 2, 4, 8), (1, 2, 4, 4), (1, 2, 4, 2), 64)
     """
 
     data: Any
@@ -163,8 +362,7 @@ class QuantizedPages:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        shape = tuple(self.data.shape)
-        return (*shape[:-1], shape[-1] * self.format.codes_per_byte)
+        return self.format.float_shape(self.data.shape)
 
     @property
     def ndim(self) -> int:
@@ -176,7 +374,7 @@ class QuantizedPages:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored pages: data, scales and zero-points (not the residual)."""
+        """Bytes of the stored pages: data, scales and zero-points (not a kivi2 residual)."""
         zero = 0 if self.zero is None else int(self.zero.nbytes)
         return int(self.data.nbytes) + int(self.scale.nbytes) + zero
 
@@ -205,8 +403,8 @@ class QuantizedPages:
         )
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The decoded stored pages (a full copy: for tests and export; without the
-        residual of a kivi2 pool, which :func:`paged.gather_kv` applies)."""
+        """The decoded stored pages ``[*lead, C, H]`` (a full copy: for tests and export;
+        without a kivi2 pool's residual pages, which :func:`paged.gather_kv` applies)."""
         return decode_pages(self).astype(dtype)
 
 
@@ -217,11 +415,11 @@ jax.tree_util.register_dataclass(
 )
 
 
-def decode_pages(pool: QuantizedPages):
+def decode_pages(pool: "QuantizedPages"):
     """All stored values of ``pool`` decoded to float32 ``[..., C, H]``."""
     if pool.format.kind == "kivi2":
         return _kivi.decode(pool.data, pool.scale, pool.zero, pool.grouping)
-    return dequantize_block(pool.data, pool.scale)
+    return dequantize_block(pool.data, pool.scale, pool.format)
 
 
 def is_quantized(x) -> bool:
@@ -230,26 +428,14 @@ def is_quantized(x) -> bool:
 
 
 def quantize_values(x, kv_format: KVFormat):
-    """``data [..., H]`` in the storage dtype and ``scale [...]`` float32 (see module docs)."""
+    """``(data, scale)`` of float ``x [..., H]`` in ``kv_format`` (see module docs)."""
     x = jnp.asarray(x).astype(jnp.float32)
-    qmax = kv_format.qmax
-    absmax = jnp.max(jnp.abs(x), axis=-1)
-    finite = jnp.isfinite(absmax)
-    scale = jnp.where(finite, absmax / qmax, jnp.nan)
-    keep = finite & (scale > 0)  # zero tokens (and scales flushed to zero) store zeros
-    # Divide by the scale, not by absmax: XLA computes x / y as x * (1 / y), and 1 / absmax
-    # is subnormal (flushed to zero on CPU) for absmax > 2**126, while 1 / scale is not.
-    scaled = x / jnp.where(keep, scale, 1.0)[..., None]
-    scaled = jnp.clip(scaled, -qmax, qmax)
-    if kv_format.kind == "int8":
-        scaled = jnp.round(scaled)
-    data = jnp.where(keep[..., None], scaled, 0.0).astype(kv_format.storage_dtype)
-    return data, scale
+    return kv_format._codec.encode(x, kv_format.group_size)
 
 
-def dequantize_block(data, scale):
-    """``data [..., H] * scale [...]`` in float32."""
-    return data.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+def dequantize_block(data, scale, kv_format: KVFormat):
+    """The float32 ``[..., H]`` values that ``data`` and ``scale`` of ``kv_format`` encode."""
+    return kv_format._codec.decode(data, scale, kv_format.group_size)
 
 
 def quantize_pages(
@@ -257,28 +443,32 @@ def quantize_pages(
 ) -> QuantizedPages:
     """Quantizes a float pool (or any ``[..., C, H]`` array) into :class:`QuantizedPages`.
 
-    int8 / fp8: each ``[H]`` vector (one token of one kv head) gets its own absmax scale.
-    kivi2: every ``[C, H]`` page is stored whole (keys per channel, values per token; no
-    residual: a pool quantized here has every page stored). Jittable with the format static.
+    Each ``[H]`` vector (one token of one kv head; for int4 each group of ``group_size`` of
+    its values) gets its own absmax scale. Jittable with the format static.
+
+    kivi2: every ``[C, H]`` page is stored whole (keys per channel over the page, values per
+    token), with no residual: every page of a pool quantized here is stored.
 
     Args:
-      x: ``[*D, C, H]`` float values, e.g. a pool ``[K, P, C, H]``; rank >= 2 (kivi2: rank
-        >= 3 and ``H`` a multiple of 4).
+      x: ``[*D, C, H]`` float values, e.g. a pool ``[K, P, C, H]``; rank >= 2 (kivi2: >= 3).
       kv_format: a :class:`KVFormat`.
-      role: kivi2 only (required there): ``"keys"`` (per channel over each page) or
-        ``"values"`` (per token).
+      role: kivi2 only, and required there: ``"keys"`` or ``"values"``.
 
     Returns:
-      :class:`QuantizedPages` with ``data`` of ``x``'s shape and ``scale [*D, C]``.
+      :class:`QuantizedPages` of ``shape`` ``x.shape`` (``data`` and ``scale`` shaped by
+      ``kv_format.data_shape`` / ``scale_shape``).
 
     Raises:
-      ValueError: if ``x`` is not a float array of rank >= 2 or ``kv_format`` not a
-        :class:`KVFormat`.
+      ValueError: if ``x`` is not a float array of rank >= 2, ``kv_format`` not a
+        :class:`KVFormat`, or (int4) ``H`` not a multiple of ``group_size``.
 
     Example:
       >>> pages = quantize_pages(jnp.array([[[0.5, -1.0]]]), KVFormat("int8"))
       >>> pages.data.tolist(), pages.scale.tolist()
       ([[[64, -127]]], [[0.007874015718698502]])
+      >>> pages = quantize_pages(jnp.array([[[3.0, -7.0]]]), KVFormat("int4", group_size=2))
+      >>> pages.data.tolist(), pages.dequantize().tolist()  # levels 3, -7: 0x3 | 0x9 << 4
+      ([[[147]]], [[[3.0, -7.0]]])
     """
     fn = "quantize_pages"
     if not isinstance(kv_format, KVFormat):
@@ -291,14 +481,12 @@ def quantize_pages(
     ):
         got = f"shape {tuple(x.shape)} dtype {x.dtype}" if hasattr(x, "dtype") else repr(x)
         raise ValueError(f"{fn}: x: expected a float array [..., C, H], got {got}")
+    kv_format.check_head_dim(fn, "x", x.shape[-1])
     if kv_format.kind == "kivi2":
         if role not in ("keys", "values"):
             raise ValueError(f"{fn}: role: kivi2 needs role='keys' or 'values', got {role!r}")
-        if x.ndim < 3 or x.shape[-1] % 4:
-            raise ValueError(
-                f"{fn}: x: kivi2 needs [..., P, C, H] with H a multiple of 4, got shape "
-                f"{tuple(x.shape)}"
-            )
+        if x.ndim < 3:
+            raise ValueError(f"{fn}: x: kivi2 needs [..., P, C, H], got shape {tuple(x.shape)}")
         grouping = "channel" if role == "keys" else "token"
         data, scale, zero = _kivi.encode(x, grouping)
         return QuantizedPages(data, scale, kv_format, zero=zero, grouping=grouping)
@@ -312,7 +500,8 @@ def set_tokens(pool, index, values):
     """``pool.at[index].set(values, mode="drop")``; a quantized pool quantizes ``values``.
 
     ``index`` must select whole ``[H]`` vectors (it stops before the ``H`` axis), so the same
-    index applies to the data (``values [..., H]``) and to the scales (``[...]``).
+    index applies to the data (``values [..., H]``) and to the scales (``[...]``, or
+    ``[..., H / g]`` for int4: the index stops before the group axis alike).
     """
     if is_quantized(pool):
         if pool.format.kind == "kivi2":

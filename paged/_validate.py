@@ -142,14 +142,15 @@ def _check_finite_tokens(cache: PagedKVCache) -> None:
     C = cache.k_pages.shape[3]
     for name, pool in (("k_pages", cache.k_pages), ("v_pages", cache.v_pages)):
         kivi = pool.format.kind == "kivi2"
-        scale = np.asarray(pool.scale.astype(jnp.float32))  # [L, K, P, C] ([L, K, P, H] keys)
+        scale = np.asarray(pool.scale, np.float32)  # [L, K, P, C] (int4: [L, K, P, C, H/g])
         if kivi:  # stats and the residual: NaN / inf in any readable token shows up there
-            zero = np.asarray(pool.zero.astype(jnp.float32))
-            scale = scale + zero
+            scale = scale + np.asarray(pool.zero, np.float32)  # keys: [L, K, P, H]
             if pool.grouping == "channel":
                 scale = np.repeat(np.max(scale, axis=-1, keepdims=True), C, axis=-1)
             residual = np.asarray(pool.residual)  # [L, K, B, C, H]
             filled = np.asarray(pool.residual_len)  # [L, K, B]
+        elif scale.ndim == 5:
+            scale = np.where(np.all(np.isfinite(scale), axis=-1), 0.0, np.nan)  # per token
         for b in range(table.shape[0]):
             pos = np.arange(int(lengths[b]))
             pages, offsets = table[b, pos // C], pos % C

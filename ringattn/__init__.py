@@ -38,6 +38,11 @@ Per shard inside ``shard_map``: :func:`ring_attention_per_shard`,
 :func:`match_varying`, and the load-balanced sequence layouts :data:`LAYOUTS`
 (:func:`to_layout`, :func:`from_layout`, :func:`shard_positions`).
 
+Quantized ring hops (``hop_format="int8"`` / ``"fp8"`` on the ring and USP): K/V travel as
+per-token, per-kv-head absmax-quantized values with float32 scales (:func:`quantize_hop`,
+:func:`dequantize_hop`, :func:`hop_bytes`); the result is exact attention over the dequantized
+K/V, with straight-through ``dk``/``dv``.
+
 On global arrays over a mesh: :func:`sharded_attention` (ring / all-gather / Ulysses / USP)
 and :func:`sharded_decode_attention` (decode over a sequence-sharded KV cache, tree attention).
 """
@@ -49,6 +54,7 @@ from ringattn._decode import (
     sharded_decode_attention,
 )
 from ringattn._dense_mask import DenseMask
+from ringattn._hop_format import HOP_FORMATS, QuantizedHop, dequantize_hop, quantize_hop
 from ringattn._layout import LAYOUTS, from_layout, shard_positions, to_layout
 from ringattn._online_softmax import (
     AttentionOutput,
@@ -61,7 +67,7 @@ from ringattn._online_softmax import (
 )
 from ringattn._options import MaskSpec, Positions, SegmentIds, attention_mask, resolve_mask
 from ringattn._reference import attention_reference
-from ringattn._ring import ring_attention_per_shard
+from ringattn._ring import hop_bytes, ring_attention_per_shard
 from ringattn._sharded import STRATEGIES, sharded_attention
 from ringattn._varying import match_varying
 
@@ -93,6 +99,12 @@ __all__ = [
     "decode_attention_per_shard",
     "match_varying",
     "ring_attention_per_shard",
+    # quantized ring hops
+    "HOP_FORMATS",
+    "QuantizedHop",
+    "dequantize_hop",
+    "hop_bytes",
+    "quantize_hop",
     # global arrays over a mesh
     "STRATEGIES",
     "sharded_attention",

@@ -18,6 +18,11 @@ other documents), folding the hop's keys into one running float32 online-softmax
   linear in the local shard.
 * With ``causal``, a sliding ``window`` and the ``"contiguous"`` layout, hops whose block lies
   outside every local query's window are neither computed nor communicated.
+* ``hop_format="int8"`` / ``"fp8"``: each device quantizes its K/V once (per token and kv
+  head, :mod:`ringattn._hop_format`), the packed buffer carries the quantized values and
+  float32 scales instead of K/V in their dtype, and every block (the local one too) is
+  dequantized to float32 before its compute: exact attention over the dequantized K/V, with
+  straight-through ``dk``/``dv`` (the backward ring sends the same quantized K/V).
 
 References:
   Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
@@ -33,9 +38,9 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from ringattn._blocks import window_table
+from ringattn._blocks import round_up, window_table
 from ringattn._blockwise import BlockSizes, check_block_sizes, empty_attention, head_windows
-from ringattn._checks import FloatLike, IntLike, fail
+from ringattn._checks import FloatLike, IntLike, check_int, fail
 from ringattn._heads_major import (
     attention_delta,
     kv_from_heads_major,
@@ -46,6 +51,7 @@ from ringattn._heads_major import (
     q_to_groups,
     q_to_heads_major,
 )
+from ringattn._hop_format import check_hop_format, dequantize_rows, hop_row_bytes, quantize_rows
 from ringattn._kernels_backward import update_backward_heads_major
 from ringattn._kernels_forward import init_forward_state, update_forward_heads_major
 from ringattn._layout import LAYOUTS, shard_positions
@@ -53,7 +59,7 @@ from ringattn._online_softmax import AttentionOutput, apply_sinks, finalize_onli
 from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
 from ringattn._varying import cast_varying, varying_axes
 
-__all__ = ["ring_attention_per_shard"]
+__all__ = ["hop_bytes", "ring_attention_per_shard"]
 
 # ---- the ring ----
 
@@ -67,6 +73,7 @@ class _RingPlan:
     hops: int  # key blocks received from other devices: n - 1, or fewer with a window
     mask: MaskSpec
     block_sizes: BlockSizes
+    hop_format: str | None = None  # None: K/V travel in their dtype; "int8" / "fp8"
 
 
 def _shift(x, plan: _RingPlan, offset: int):
@@ -99,6 +106,28 @@ def _unpack(buffer, spec):
         out.append(lax.bitcast_convert_type(chunk, dtype))
         offset += size
     return tuple(out)
+
+
+def _travelling_block(k, v, kv_pos, kv_seg, Sp: int, plan: _RingPlan):
+    """The block as it travels: heads-major K/V (quantized with ``plan.hop_format``) and ids.
+
+    ``(kh, vh, kv_pos, kv_seg)``, or ``(k data, k scale, v data, v scale, kv_pos, kv_seg)``
+    with ``data [B, K, Sp, H]`` int8 / float8 and ``scale [B, K, Sp]`` float32. Padding rows
+    are zero (scale 0). Quantized once per device, the local block included.
+    """
+    kh, vh = kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp)
+    ids = (pad_ids(kv_pos, Sp), pad_ids(kv_seg, Sp))
+    if plan.hop_format is None:
+        return (kh, vh, *ids)
+    return (*quantize_rows(kh, plan.hop_format), *quantize_rows(vh, plan.hop_format), *ids)
+
+
+def _arrived_block(block, plan: _RingPlan):
+    """``(kh, vh, kv_pos, kv_seg)`` for the kernels: quantized K/V dequantized to float32."""
+    if plan.hop_format is None:
+        return block
+    k_data, k_scale, v_data, v_scale, kp, ks = block
+    return dequantize_rows(k_data, k_scale), dequantize_rows(v_data, v_scale), kp, ks
 
 
 def _run_hops(plan: _RingPlan, block, carry, compute):
@@ -137,11 +166,10 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan: _RingPla
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.forward)
     qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
-    block = (kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp))
-    block += (pad_ids(kv_pos, Sp), pad_ids(kv_seg, Sp))
+    block = _travelling_block(k, v, kv_pos, kv_seg, Sp, plan)
 
     def compute(block, state, arriving):
-        kh, vh, kp, ks = block
+        kh, vh, kp, ks = _arrived_block(block, plan)
         return update_forward_heads_major(state, qg, kh, vh, qp, kp, qs, ks, windows, cfg), None
 
     # Every hop folds into one float32 online-softmax state: no per-hop (out, lse) to merge.
@@ -172,12 +200,13 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
     lse_h = q_to_heads_major(lse, K, Tp)  # [B, K, G, Tp]
     dout_g = q_to_groups(dout, K, Tp)  # [B, Tp, K, G, H]
     delta_h = q_to_heads_major(attention_delta(out, dout, dlse), K, Tp)
-    block = (kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp))
-    block += (pad_ids(kv_pos, Sp), pad_ids(kv_seg, Sp))
+    # The same quantized K/V travel again; dK/dV accumulators travel in float32. Gradients are
+    # those of attention over the dequantized K/V (straight-through for k, v).
+    block = _travelling_block(k, v, kv_pos, kv_seg, Sp, plan)
     axes = varying_axes(qg, lse_h, dout_g, delta_h, *block)
 
     def compute(block, dq, arriving):
-        kh, vh, kp, ks = block
+        kh, vh, kp, ks = _arrived_block(block, plan)
         # dK/dV of the block held at this hop: [B, K, Sp, 2H] float32, travelling with it.
         dkv = cast_varying(jnp.zeros((B, K, Sp, 2 * H), jnp.float32), axes)
         dkv = dkv if arriving is None else arriving
@@ -254,6 +283,7 @@ def ring_attention_per_shard(
     positions: Positions | None = None,
     sinks: Float[Array, " N"] | None = None,
     block_sizes: BlockSizes | None = None,
+    hop_format: str | None = None,
 ) -> AttentionOutput:
     """Exact attention over a sequence sharded along ``seq_axis``; call it per shard.
 
@@ -287,6 +317,13 @@ def ring_attention_per_shard(
       sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the per-hop kernel; with ``"zigzag"`` they
         are clamped to half the local length so causal chunk pairs can be skipped.
+      hop_format: None (K/V travel in their dtype: exact), or ``"int8"`` / ``"fp8"``: each
+        device quantizes its K/V once per token and kv head (:func:`ringattn.quantize_hop`),
+        hops carry the quantized values and float32 scales (:func:`ringattn.hop_bytes`), and
+        every block, the local one included, is dequantized to float32 before its compute.
+        The result is exact attention over the dequantized K/V; gradients: ``dq`` exact for
+        it, ``dk``/``dv`` straight-through (the gradients with respect to the dequantized
+        K/V); the backward ring sends the same quantized K/V and float32 dK/dV.
 
     Returns:
       :class:`ringattn.AttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N]
@@ -296,9 +333,9 @@ def ring_attention_per_shard(
 
     Raises:
       ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, bad segment ids or
-        positions, an unknown ``layout``, an odd ``T`` or ``S`` with ``"zigzag"``, a bad
-        window, softcap, scale, sinks or ``block_sizes``, or a ``seq_axis`` that is not bound
-        (called outside ``shard_map``).
+        positions, an unknown ``layout`` or ``hop_format``, an odd ``T`` or ``S`` with
+        ``"zigzag"``, a bad window, softcap, scale, sinks or ``block_sizes``, or a
+        ``seq_axis`` that is not bound (called outside ``shard_map``).
 
     Example:
       >>> import functools, jax, jax.numpy as jnp
@@ -334,6 +371,7 @@ def ring_attention_per_shard(
     if layout not in LAYOUTS:
         raise fail(fn, "layout", f"one of {LAYOUTS}", repr(layout))
     block_sizes = check_block_sizes(fn, block_sizes)
+    hop_format = check_hop_format(fn, hop_format)
     if layout == "zigzag" and (T % 2 or S % 2):
         raise fail(
             fn,
@@ -347,12 +385,39 @@ def ring_attention_per_shard(
     q_seg, kv_seg = (None, None) if seg is None else seg
     windows = head_windows(spec, N)
     out, lse = ring_local(
-        q, k, v, pos.q, pos.kv, q_seg, kv_seg, windows, spec, layout, block_sizes, seq_axis
+        q,
+        k,
+        v,
+        pos.q,
+        pos.kv,
+        q_seg,
+        kv_seg,
+        windows,
+        spec,
+        layout,
+        block_sizes,
+        seq_axis,
+        hop_format=hop_format,
     )
     return apply_sinks(out, lse, sinks)
 
 
-def ring_local(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, spec, layout, block_sizes, seq_axis):
+def ring_local(
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    q_seg,
+    kv_seg,
+    windows,
+    spec,
+    layout,
+    block_sizes,
+    seq_axis,
+    *,
+    hop_format: str | None = None,
+):
     """The ring on validated inputs: ``(out, lse)``; positions None take the layout default.
 
     ``windows``: ``[N]`` per-head windows of THESE query heads (traced or numpy), or None.
@@ -373,6 +438,7 @@ def ring_local(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, spec, layout, blo
         hops=_window_hops(n, T, S, spec, layout, default_pos) if n > 1 else 0,
         mask=spec,
         block_sizes=_layout_block_sizes(block_sizes, layout, T, S),
+        hop_format=hop_format,
     )
     # Everything that travels or meets travelling data must vary along the ring axis, and
     # the custom VJP's cotangents must match its inputs' types: cast all inputs to vary
@@ -382,3 +448,73 @@ def ring_local(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, spec, layout, blo
     ring_axes = frozenset(seq_axis if isinstance(seq_axis, tuple) else (seq_axis,))
     args = cast_varying(args, ring_axes | varying_axes(*args))
     return _ring(*args, plan)
+
+
+def hop_bytes(
+    batch: IntLike,
+    kv_len: IntLike,
+    kv_heads: IntLike,
+    head_dim: IntLike,
+    dtype,
+    *,
+    hop_format: str | None = None,
+    layout: str = "contiguous",
+    block_sizes: BlockSizes | None = None,
+    segment_ids: bool = False,
+    backward: bool = False,
+) -> int:
+    """Bytes each device sends in one hop of :func:`ring_attention_per_shard`.
+
+    A forward hop is one packed buffer: keys and values of the ``kv_heads`` heads (in
+    ``dtype``, or quantized data plus one float32 scale per token and kv head), int32
+    positions and, with ``segment_ids``, int32 segment ids, each padded to the kernel's key
+    block. A backward hop sends the same buffer and the block's float32 dK/dV accumulators
+    (``2 * head_dim`` floats per token and kv head). With ``"int8"`` or ``"fp8"`` K/V take
+    ``head_dim + 4`` bytes per token and kv head, against ``4 * head_dim`` in float32 and
+    ``2 * head_dim`` in bfloat16.
+
+    Args:
+      batch: ``B`` of the local shard.
+      kv_len: ``S``, keys per shard (assumed equal to the queries per shard ``T``).
+      kv_heads: ``K`` kv heads on this device.
+      head_dim: ``H``.
+      dtype: dtype of ``k`` and ``v``.
+      hop_format: None, ``"int8"`` or ``"fp8"`` (see :func:`ring_attention_per_shard`).
+      layout: the ring's layout (``"zigzag"`` clamps the key block to half a shard).
+      block_sizes: the ring's :class:`ringattn.BlockSizes` (default ``BlockSizes()``).
+      segment_ids: whether segment ids travel with the keys.
+      backward: the backward pass's hop (block sizes ``block_sizes.backward``, plus dK/dV).
+
+    Returns:
+      Bytes per hop per device (an int).
+
+    Raises:
+      ValueError: on a negative size, a bad ``hop_format``, ``layout`` or ``block_sizes``.
+
+    Example:
+      >>> hop_bytes(1, 1024, 2, 128, "float32", hop_format="int8")  # K/V + int32 positions
+      544768
+      >>> hop_bytes(1, 1024, 2, 128, "float32")
+      2101248
+    """
+    fn = "hop_bytes"
+    B, S, K, H = (
+        check_int(fn, name, value, minimum=0)
+        for name, value in (
+            ("batch", batch),
+            ("kv_len", kv_len),
+            ("kv_heads", kv_heads),
+            ("head_dim", head_dim),
+        )
+    )
+    hop_format = check_hop_format(fn, hop_format)
+    if layout not in LAYOUTS:
+        raise fail(fn, "layout", f"one of {LAYOUTS}", repr(layout))
+    sizes = _layout_block_sizes(check_block_sizes(fn, block_sizes), layout, S, S)
+    block_kv = (sizes.backward if backward else sizes.forward)[1]
+    Sp = round_up(S, min(block_kv, S)) if S else 0
+    rows = B * K * Sp
+    total = 2 * rows * hop_row_bytes(H, dtype, hop_format) + B * Sp * 4 * (1 + bool(segment_ids))
+    if backward:
+        total += rows * 2 * H * 4
+    return int(total)

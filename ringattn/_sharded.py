@@ -4,7 +4,8 @@
 a mesh axis, builds the ``jax.shard_map`` and runs one of:
 
 * ``"ring"``: K/V blocks travel a ring of devices (:func:`ringattn.ring_attention_per_shard`); memory per
-  device stays linear in the local shard; ``n - 1`` hops of ``2 * B * S/n * K * H`` elements.
+  device stays linear in the local shard; ``n - 1`` hops of ``2 * B * S/n * K * H`` elements
+  (int8 / fp8 values plus a float32 scale per token and kv head with ``hop_format``).
 * ``"allgather"``: K/V (with positions and segment ids) are all-gathered, queries stay local
   (the Llama-3 context-parallel form). One collective of the whole K/V; the gradient of the
   all-gather is a reduce-scatter of dK/dV.
@@ -31,6 +32,7 @@ from jaxtyping import Array, Float
 
 from ringattn._blockwise import BlockSizes, empty_attention
 from ringattn._checks import FloatLike, IntLike, fail
+from ringattn._hop_format import check_hop_format
 from ringattn._layout import LAYOUTS
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
@@ -116,6 +118,7 @@ def sharded_attention(
     positions: Positions | None = None,
     sinks: Float[Array, " N"] | None = None,
     block_sizes: BlockSizes | None = None,
+    hop_format: str | None = None,
 ) -> AttentionOutput:
     """Exact attention on global arrays whose sequence is sharded over a mesh axis.
 
@@ -165,6 +168,10 @@ def sharded_attention(
         the positions the layout puts there (``to_layout(arange(T))``).
       sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the local kernel.
+      hop_format: ``"ring"`` and ``"usp"`` only: None (exact), or ``"int8"`` / ``"fp8"``
+        ring hops carrying per-token, per-kv-head quantized K/V (see
+        :func:`ringattn.ring_attention_per_shard`: the result is exact attention over the
+        dequantized K/V, ``dk``/``dv`` straight-through).
 
     Returns:
       :class:`ringattn.AttentionOutput`: ``out [B, T, N, H]`` in ``q.dtype`` and layout
@@ -176,8 +183,10 @@ def sharded_attention(
         twice; a ``seq_axis`` of the wrong form; inconsistent q/k/v shapes or dtypes; ``T`` or
         ``S`` not divisible by the number of sequence shards (by twice the layout shards for
         ``"zigzag"``); batch or heads not divisible by their axis sizes; query heads not
-        divisible by the Ulysses degree; bad segment ids, positions, window, softcap, scale
-        or block sizes.
+        divisible by the Ulysses degree; bad segment ids, positions, window, softcap, scale,
+        block sizes or ``hop_format``.
+      NotImplementedError: a ``hop_format`` with strategy ``"allgather"`` or ``"ulysses"``
+        (no ring hops to quantize).
 
     Example:
       >>> import jax, numpy as np
@@ -215,6 +224,12 @@ def sharded_attention(
         raise fail(_FN, "strategy", f"one of {STRATEGIES}", repr(strategy))
     if layout not in LAYOUTS:
         raise fail(_FN, "layout", f"one of {LAYOUTS}", repr(layout))
+    hop_format = check_hop_format(_FN, hop_format)
+    if hop_format is not None and strategy not in ("ring", "usp"):
+        raise NotImplementedError(
+            f"{_FN}: hop_format: quantized hops are for strategies 'ring' and 'usp', "
+            f"got strategy {strategy!r}"
+        )
 
     ulysses_axis = None
     if strategy == "usp":
@@ -299,6 +314,7 @@ def sharded_attention(
         mask=spec,
         block_sizes=block_sizes,
         num_heads=N,
+        hop_format=hop_format,
     )
     qs, ks = (None, None) if seg is None else seg
     return _sharded(q, k, v, qs, ks, pos.q, pos.kv, sinks, plan)

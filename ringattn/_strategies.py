@@ -37,6 +37,7 @@ class Plan:
     mask: MaskSpec
     block_sizes: BlockSizes | None
     num_heads: int  # global query heads N (per-head windows are sliced per device)
+    hop_format: str | None = None  # "ring" / "usp": quantized K/V hops ("int8", "fp8")
 
     @property
     def seq_spec(self):
@@ -80,7 +81,19 @@ def _attend_local(q, k, v, qs, ks, qp, kp, windows, plan: Plan):
 def _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan: Plan):
     sizes = plan.block_sizes or BlockSizes()
     return ring_local(
-        q, k, v, qp, kp, qs, ks, windows, plan.mask, plan.layout, sizes, plan.seq_axis
+        q,
+        k,
+        v,
+        qp,
+        kp,
+        qs,
+        ks,
+        windows,
+        plan.mask,
+        plan.layout,
+        sizes,
+        plan.seq_axis,
+        hop_format=plan.hop_format,
     )
 
 

@@ -3,16 +3,24 @@
 ``bench_train`` and ``bench_decode`` check, before timing, that every method they time computes
 the same thing (the same training-step loss and gradient norm; the same greedy tokens). These
 tests run those checks on a tiny model so a broken benchmark path shows up in CI.
+``bench_kvquant``'s tables are checked for internal consistency (measured bytes against the
+formats' formulas and the README's numbers, the documented error bounds, error ordered by bits).
 """
+
+import dataclasses
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks import bench_decode, bench_quality, bench_train
+from benchmarks import bench_decode, bench_kvquant, bench_quality, bench_ring_quant, bench_train
 from examples.longctx_lm.model import ModelConfig, Transformer
 from ringattn import BlockSizes
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ModelConfig(width=32, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, mlp_width=64)
 
 
@@ -27,6 +35,18 @@ def test_bench_decode_methods_emit_the_same_greedy_tokens():
     model = Transformer(TINY, rngs=nnx.Rngs(3))
     tokens = bench_decode.check_greedy_agreement(model, context=40, new_tokens=6)
     assert tokens.shape == (6,)
+
+
+def test_bench_ring_quant_bytes_match_the_program():
+    """The hop bytes the benchmark reports (``hop_bytes``) are those the ring's ``ppermute``
+    sends, and a quantized hop changes the output a little, the exact hop not at all."""
+    results = bench_ring_quant.check_hops(64, block_sizes=BlockSizes(block_q=4, block_kv=4))
+    assert set(results) == set(bench_ring_quant.FORMATS)
+    for fmt, (computed, measured, err) in results.items():
+        assert computed == measured, fmt
+        assert err == 0.0 if fmt is None else 0.0 < err < 0.5, (fmt, err)
+    positions = 8 * 4  # one row of 8 int32 positions travels with every hop
+    assert (results["int8"][0] - positions) * 4 * 128 == (results[None][0] - positions) * 132
 
 
 @pytest.mark.slow
@@ -46,3 +66,93 @@ def test_bench_quality_demote_is_exact_and_drop_is_scored():
     full = bench_quality.make_rule("h2o", 1.0)
     acc, mass, moved = bench_quality.evaluate_rule(model, full, "drop", prompts, answers, batch=3)
     assert acc == 1.0 and abs(mass - 1.0) < 1e-5 and moved == 0
+
+
+def _kvquant_cases():
+    cfg = dataclasses.replace(TINY, num_layers=1)
+    model = Transformer(cfg, rngs=nnx.Rngs(5))
+    dims = (1, 1, 48, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # the model's shape
+    return [
+        bench_kvquant.random_case(*dims, outliers=False),
+        bench_kvquant.random_case(*dims, outliers=True, seed=1),
+        bench_kvquant.model_case(model, 1, 48, label="tiny model"),
+    ]
+
+
+def test_bench_kvquant_bytes_match_the_formula_and_the_readme():
+    bk = bench_kvquant
+    names, skipped = bk.available_kinds()
+    assert {"int8", "fp8"} <= set(names) and set(names) | set(skipped) == set(bk.KINDS)
+    tiny = bk.ModelShape("tiny", 2, 8, 2, 16)
+    for shape in (bk.LLAMA_70B, bk.LLAMA_70B_MHA, tiny):
+        rows = bk.bytes_rows(names, shape, 1000)
+        assert set(rows) == {"float32", "bf16", *names}
+        for name, row in rows.items():
+            assert row["per_token"] == row["formula_per_token"], (shape, name, row)
+            assert row["sequence"] == 1000 * row["per_token"]
+        assert rows["bf16"]["per_token"] == 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
+        assert rows["float32"]["vs_bf16"] == 2.0
+    llama = bk.bytes_rows(["int8"], bk.LLAMA_70B, bk.LLAMA_TOKENS)
+    # README "Quantized KV": 168,960 bytes per token, 41.25 / 80 / 160 GiB at 256K.
+    assert llama["int8"]["per_token"] == 168_960
+    assert [llama[n]["sequence"] / bk.GiB for n in ("int8", "bf16", "float32")] == [41.25, 80, 160]
+    article = bk.bytes_rows([], bk.LLAMA_70B_MHA, bk.LLAMA_TOKENS)  # the seed's 640 GB
+    assert article["bf16"]["sequence"] == 640 * bk.GiB
+    assert bk.target_cell("int8", llama["int8"]["vs_bf16"]) == "<= 0.53x: met"
+    assert "missed" in bk.target_cell("int8", 0.6) and bk.target_cell("fp8", 0.5) == "-"
+    text = "\n".join(bk.bytes_section(names, tiny, 1000))
+    assert all(f"| {n} |" in text for n in ["float32", "bf16", *names])
+
+
+def test_bench_kvquant_errors_are_within_bounds_and_ordered_by_bits():
+    bk = bench_kvquant
+    names, _ = bk.available_kinds()
+    cases = _kvquant_cases()
+    results = {case.name: bk.evaluate_case(case, names) for case in cases}
+    by_bits = [n for n in ("bf16", "int8", "fp8", "int4", "kivi2") if n in ["bf16", *names]]
+    for case in cases:
+        res = results[case.name]
+        assert set(res) == {"bf16", *names}
+        for kind in ("int8", "fp8", "int4"):  # the documented element-wise bounds hold
+            assert res[kind].k_in_bound and res[kind].v_in_bound, (case.name, kind)
+        for name, r in res.items():
+            assert 0 < r.k.rel < 1 and 0 < r.v.rel < 1 and 0 < r.out.rel < 1, (case.name, name, r)
+        assert res["bf16"].out.rel < 1e-2 and res["int8"].out.rel < 0.1, (case.name, res)
+        if "outlier" not in case.name:
+            assert res["int8"].out.rel < 2e-2 and res["fp8"].out.rel < 6e-2, (case.name, res)
+    normal = results[cases[0].name]
+    for part in ("k", "v"):  # fewer bits, larger error, on normal KV
+        rel = [getattr(normal[n], part).rel for n in by_bits]
+        assert rel == sorted(rel) and len(set(rel)) == len(rel), (part, by_bits, rel)
+    # Outlier key channels coarsen int8's per-token scales: the attention error grows.
+    assert results[cases[1].name]["int8"].out.rel > 2 * normal["int8"].out.rel
+    text = "\n".join(bk.error_sections(cases, results))
+    assert "## 2." in text and "## 3." in text and "**no**" not in text
+
+
+def test_bench_kvquant_decode_timing_runs_every_storage():
+    """The decode harness at a tiny size (no timing is asserted): every storage runs and its
+    bytes are the pools'."""
+    bk = bench_kvquant
+    names, _ = bk.available_kinds()
+    B, S, N, K, H = 1, 48, 8, 2, 8
+    timing = bk.decode_timing(names, B, S, N, K, H, 1)
+    assert list(timing) == ["float32", "bf16", *names]
+    slots = K * (B * -(-S // bk.PAGE) + 1) * bk.PAGE
+    for name, (t, nbytes) in timing.items():
+        assert len(t.times) == 1 and nbytes == bk.measured_bytes(name, H) * slots, name
+    text = "\n".join(bk.decode_section(timing, B, S, N, K, H, 1))
+    assert "target int8 <= bf16" in text
+
+
+@pytest.mark.slow
+def test_bench_kvquant_quick_run_writes_every_section(tmp_path):
+    """``--quick`` end to end, in its own process (it sets up one CPU device before JAX)."""
+    out = tmp_path / "kvquant.md"
+    command = [sys.executable, "-m", "benchmarks.bench_kvquant", "--quick", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    for title in ("## 1.", "## 2.", "## 3.", "## 4.", "Llama-3-70B", "trained model"):
+        assert title in text, title
+    assert "**no**" not in text  # every documented bound held

@@ -1,4 +1,4 @@
-"""Quantized pools (``paged.QuantizedPages``, int8 / fp8) through the offload tiers: data and
+"""Quantized pools (``paged.QuantizedPages``, int8 / fp8 / int4) through the offload tiers: data and
 scales move together, as stored, in every layout; bytes shrink in proportion."""
 
 import jax
@@ -23,6 +23,13 @@ from tests._util import assert_close
 from tests.offload.test_layouts import CASES, LAYOUTS, PAGES, SLOTS, C, H, K, L, _mesh
 from tests.offload.test_layouts import _page_pairs as page_pairs
 
+# int4 with two groups per token at H = 8 (data [..., C, 4] uint8, scales [..., C, 2] bf16).
+FORMATS = {
+    "int8": paged.KVFormat("int8"),
+    "fp8": paged.KVFormat("fp8"),
+    "int4": paged.KVFormat("int4", group_size=4),
+}
+
 
 def _bits(x) -> np.ndarray:
     """The raw bytes of an array (bit-exact comparison for int8, fp8 and NaN scales)."""
@@ -40,7 +47,7 @@ def _qpools(name, kind="int8", axis_type=AxisType.Auto, seed=0):
     stacked, mesh_shape, names, spec = LAYOUTS[name]
     shape = (L, K, PAGES, C, H) if stacked else (K, PAGES, C, H)
     rng = np.random.default_rng(seed)
-    fmt = paged.KVFormat(kind)
+    fmt = FORMATS[kind]
     k, v = (paged.quantize_pages(jnp.asarray(rng.standard_normal(shape)), fmt) for _ in "kv")
     if mesh_shape is not None:
         sharding = NamedSharding(_mesh(mesh_shape, names, axis_type), spec(len(shape)))
@@ -72,7 +79,13 @@ FP8_CASES = [
 
 @pytest.mark.parametrize(
     ("kind", "name", "axis_type"),
-    [pytest.param("int8", *c.values, id=f"int8-{c.id}") for c in CASES] + FP8_CASES,
+    [pytest.param("int8", *c.values, id=f"int8-{c.id}") for c in CASES]
+    + FP8_CASES
+    + [
+        pytest.param("int4", *c.values, id=f"int4-{c.id}")
+        for c in CASES
+        if c.values[1] == AxisType.Auto or c.values[0] == "stacked-heads-pages"
+    ],
 )
 def test_quantized_round_trip_every_layout(kind, name, axis_type):
     k, v = _qpools(name, kind, axis_type=axis_type)
@@ -81,7 +94,11 @@ def test_quantized_round_trip_every_layout(kind, name, axis_type):
     for leaf in (host.k_pages.data, host.k_pages.scale, host.v_pages.data, host.v_pages.scale):
         assert leaf.sharding.memory_kind == "pinned_host"
     layers = L if k.ndim == 5 else 1
-    assert host.page_nbytes == 2 * layers * K * C * (H * 1 + 4)
+    assert host.page_nbytes == 2 * layers * K * C * k.format.bytes_per_token(H)
+    if kind != "int4":
+        assert host.page_nbytes == 2 * layers * K * C * (H * 1 + 4)
+    else:  # 4 packed bytes + two bfloat16 group scales per token per kv head
+        assert host.page_nbytes == 2 * layers * K * C * (4 + 2 * 2)
     split = "pages" in name
     assert host.page_shards == (LAYOUTS[name][1][-1] if split else 1)
     ids, slots = page_pairs(host.page_shards)
@@ -122,7 +139,9 @@ def test_quantized_round_trip_every_layout(kind, name, axis_type):
         if LAYOUTS[name][1] is None:  # into: donated quantized staging buffers
             into = tuple(
                 paged.QuantizedPages(
-                    jnp.zeros((K, ids.size, C, H), x.dtype), jnp.zeros((K, ids.size, C)), x.format
+                    jnp.zeros(x.format.data_shape((K, ids.size, C, H)), x.dtype),
+                    jnp.zeros(x.format.scale_shape((K, ids.size, C, H)), x.scale.dtype),
+                    x.format,
                 )
                 for x in (k, v)
             )
@@ -131,7 +150,7 @@ def test_quantized_round_trip_every_layout(kind, name, axis_type):
             _assert_same(qv, _take(v, ids)[0])
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 def test_fp8_and_int8_round_trip_bit_exact_with_nan_scales(kind):
     k, v = _qpools("stacked-single", kind, seed=1)
     # A NaN scale (a token that held NaN) moves as it is.
@@ -143,17 +162,18 @@ def test_fp8_and_int8_round_trip_bit_exact_with_nan_scales(kind):
     k2, v2 = wait(page_in(host, [0, 5, 2, 3], k, v, [9, 10, 11, 12]))  # k, v donated
     _assert_same(_take(k2, [9, 10, 11, 12]), want_k)
     _assert_same(_take(v2, [9, 10, 11, 12]), want_v)
-    assert np.isnan(np.asarray(k2.scale)[0, 1, 9, 2])
+    assert np.all(np.isnan(np.asarray(k2.scale, np.float32)[0, 1, 9, 2]))
 
 
 def test_bytes_shrink_in_proportion():
-    """int8 / fp8 transfers carry (H + 4) / (2 H) of the bf16 bytes: 0.516 at H = 128."""
+    """int8 / fp8 transfers carry (H + 4) / (2 H) of the bf16 bytes: 0.516 at H = 128; int4
+    (group 32, bfloat16 scales) (H / 2 + H / 16) / (2 H): 0.281."""
     shape, n = (2, 2, 8, 4, 128), 3
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     nbytes = {}
-    for label in ("float32", "bfloat16", "int8", "fp8"):
-        if label in ("int8", "fp8"):
+    for label in ("float32", "bfloat16", "int8", "fp8", "int4"):
+        if label in ("int8", "fp8", "int4"):
             pool = paged.quantize_pages(x, paged.KVFormat(label))
         else:
             pool = x.astype(label)
@@ -170,11 +190,19 @@ def test_bytes_shrink_in_proportion():
     assert nbytes["int8"] == nbytes["fp8"] == 2 * tokens * (128 + 4) == 12672
     assert nbytes["int8"] / nbytes["bfloat16"] == pytest.approx(132 / 256)  # 0.516
     assert nbytes["int8"] / nbytes["float32"] == pytest.approx(132 / 512)  # 0.258
+    assert nbytes["int4"] == 2 * tokens * (64 + 4 * 2) == 6912
+    assert nbytes["int4"] / nbytes["bfloat16"] == 72 / 256 == 0.28125
 
 
 @pytest.mark.parametrize(
     ("name", "kind"),
-    [("stacked-single", "int8"), ("layer-heads", "fp8"), ("stacked-pages", "int8")],
+    [
+        ("stacked-single", "int8"),
+        ("layer-heads", "fp8"),
+        ("stacked-pages", "int8"),
+        ("stacked-pages", "int4"),
+        ("layer-single", "int4"),
+    ],
 )
 def test_manager_stats_and_disk_round_trip(tmp_path, name, kind):
     k, v = _qpools(name, kind, seed=3)
@@ -197,13 +225,13 @@ def test_manager_stats_and_disk_round_trip(tmp_path, name, kind):
     data_bytes = ids.size * page_bytes
     written = manager.spill("r")
     block_bytes = 4 * ids.size if shards > 1 else 0  # each page's device block, int32
-    assert written == data_bytes + len(kind) + block_bytes  # + the format's name
+    assert written == data_bytes + len(k.format.tag) + block_bytes  # + the format's name
     assert manager.stats.tier_bytes("host", request_id="r") == 0
     assert manager.stats.tier_bytes("disk", request_id="r") == written
     assert manager.stats.transfers("host_to_disk").nbytes == written
     entry = store.get("r")
-    assert entry["k"].dtype == k.dtype and entry["k_scale"].dtype == np.float32
-    assert entry["format"].tobytes().decode() == kind
+    assert entry["k"].dtype == k.dtype and entry["k_scale"].dtype == k.format.scale_dtype
+    assert entry["format"].tobytes().decode() == k.format.tag  # "int4-g4" for int4
     read = manager.restore("r")
     assert read == data_bytes
     assert manager.stats.tier_bytes("disk", request_id="r") == 0
@@ -269,6 +297,23 @@ def test_disk_entry_of_another_kind_is_corrupt(tmp_path):
         int8.restore("bad")
     assert int8.free_slots == fp8.free_slots == flt.free_slots == 4  # nothing was written
     int8.restore("q")  # the entry is intact
+    # int4 entries carry their group: another group size is another format.
+    k4, v4 = _qpools("stacked-single", "int4")
+    other = paged.KVFormat("int4", group_size=8)
+    k4b, v4b = (paged.QuantizedPages(x.data, x.scale[..., :1], other) for x in (k4, v4))
+    int4 = OffloadManager(make_host_page_pool(k4, v4, 4), disk=store)
+    int4b = OffloadManager(make_host_page_pool(k4b, v4b, 4), disk=store)
+    int4.wait(int4.page_out(k4, v4, [1, 2], request_id="g4"))
+    int4.spill("g4")
+    with pytest.raises(
+        CorruptCacheError, match=r"restore: .*quantized 'int4-g8' pages.*got quantized 'int4-g4'"
+    ):
+        int4b.restore("g4")
+    entry = store.get("g4")
+    store.put("bad4", {**entry, "v_scale": entry["v_scale"].astype(np.float32)})
+    with pytest.raises(CorruptCacheError, match=r"array 'v_scale' bfloat16 \(2, 2, 2, 4, 2\)"):
+        int4.restore("bad4")
+    int4.restore("g4")
 
 
 @pytest.mark.no_typecheck
@@ -305,15 +350,23 @@ def test_float_and_quantized_pools_do_not_mix():
     bad = paged.QuantizedPages(kq.data, kq.scale.astype(jnp.bfloat16), kq.format)
     with pytest.raises(ValueError, match=r"expected data in int8 and float32 scales"):
         make_host_page_pool(bad, bad, 4)
+    k4, _ = _qpools("stacked-single", "int4")
+    bad = paged.QuantizedPages(k4.data, k4.scale.astype(jnp.float32), k4.format)
+    with pytest.raises(ValueError, match=r"expected data in uint8 and bfloat16 scales"):
+        make_host_page_pool(bad, bad, 4)
+    bad = paged.QuantizedPages(k4.data, k4.scale[..., :1], k4.format)
+    with pytest.raises(ValueError, match=r"expected scales shaped \(2, 2, 16, 4, 2\)"):
+        make_host_page_pool(bad, bad, 4)
 
 
-def test_mixed_residency_with_quantized_cold_pages_from_host():
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_mixed_residency_with_quantized_cold_pages_from_host(kind):
     """Device pool + cold pages paged in from the host equal attention over the full pool; NaN
     scales in unreadable slots (demoted device pages, staging slots, tails) have no effect."""
     B, M, N, HD = 2, 4, 4, 16
     P = 1 + B * M
     rng = np.random.default_rng(5)
-    fmt = paged.KVFormat("int8")
+    fmt = FORMATS[kind]
     full_k, full_v = (
         paged.quantize_pages(jnp.asarray(rng.standard_normal((K, P, C, HD))), fmt) for _ in "kv"
     )
@@ -324,8 +377,9 @@ def test_mixed_residency_with_quantized_cold_pages_from_host():
     for b in range(B):
         for t in range(int(lengths[b]), M * C):
             tail[:, int(table[b, t // C]), t % C] = True
+    on_scale = (lambda m: m[..., None]) if kind == "int4" else (lambda m: m)  # group axis
     full_k, full_v = (
-        paged.QuantizedPages(x.data, jnp.where(tail, jnp.nan, x.scale), fmt)
+        paged.QuantizedPages(x.data, jnp.where(on_scale(tail), jnp.nan, x.scale), fmt)
         for x in (full_k, full_v)
     )
     keep = np.array([[True, False, True, False], [False, True, False, True]])
@@ -336,10 +390,10 @@ def test_mixed_residency_with_quantized_cold_pages_from_host():
     )
     staging = [
         paged.QuantizedPages(
-            jnp.zeros((K, 1 + demoted.size, C, HD), jnp.int8),
-            jnp.full((K, 1 + demoted.size, C), jnp.nan),  # unwritten (null page): NaN
+            jnp.zeros(fmt.data_shape((K, 1 + demoted.size, C, HD)), fmt.storage_dtype),
+            jnp.full(fmt.scale_shape((K, 1 + demoted.size, C, HD)), jnp.nan, fmt.scale_dtype),
             fmt,
-        )
+        )  # unwritten (null page): NaN scales
         for _ in "kv"
     ]
     cold_k, cold_v = wait(page_in(host, [7, 0, 3, 5], *staging, 1 + np.arange(demoted.size)))
@@ -349,7 +403,7 @@ def test_mixed_residency_with_quantized_cold_pages_from_host():
     gone = np.zeros((K, P, C), bool)
     gone[:, demoted] = True
     dev_k, dev_v = (
-        paged.QuantizedPages(x.data, jnp.where(gone, jnp.nan, x.scale), fmt)
+        paged.QuantizedPages(x.data, jnp.where(on_scale(gone), jnp.nan, x.scale), fmt)
         for x in (full_k, full_v)
     )
     q = jnp.asarray(rng.standard_normal((B, 1, N, HD)), jnp.float32)

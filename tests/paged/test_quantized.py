@@ -1,4 +1,4 @@
-"""Quantized KV pages (int8, fp8): formats, round trips, writes, attention over quantized
+"""Quantized KV pages (int8, fp8, int4): formats, round trips, writes, attention over quantized
 pools against the public oracles (on the decoded KV: tight; on the original KV: the format's
 bound), garbage in unreadable slots and scales, jit / vmap, errors."""
 
@@ -35,23 +35,53 @@ from tests._util import assert_close, make_test_mesh
 from tests.paged.test_attention import make_pool, ragged_inputs
 from tests.paged.test_sharded import sharded_inputs
 
-KINDS = ["int8", "fp8"]
+KINDS = ["int8", "fp8", "int4"]
 TINY = 448 * 2.0**-126  # tokens whose scale would be subnormal store zeros
+GROUP = 4  # int4's group in these tests: H = 8 has two groups per token
+FORMATS = {"int8": KVFormat("int8"), "fp8": KVFormat("fp8"), "int4": KVFormat("int4", GROUP)}
+
+
+def group_absmax(x, kind, keepdims=False):
+    """``absmax`` of each scale's values (a token, int4: a group), shaped like the scales."""
+    x = np.asarray(x, np.float64)
+    if kind == "int4":
+        g = FORMATS[kind].group_size
+        groups = np.abs(x).reshape(*x.shape[:-1], x.shape[-1] // g, g)
+        out = np.max(groups, axis=-1)
+        return np.repeat(out, g, axis=-1) if keepdims else out
+    return np.max(np.abs(x), axis=-1, keepdims=keepdims)
 
 
 def error_bound(x, kind):
     """The documented per-element bound of one round trip, ``x [..., H]`` float64."""
-    absmax = np.max(np.abs(x), axis=-1, keepdims=True)
+    absmax = group_absmax(x, kind, keepdims=True)
     if kind == "int8":
         bound = absmax / 254
+    elif kind == "int4":
+        bound = absmax / 14 * (1 + 2.0**-8)  # half a level of the bf16-rounded scale
     else:
         bound = np.abs(x) / 16 + absmax / 448 * 2.0**-10
     return bound + absmax * 2e-7 + TINY  # float32 rounding of the scale and the product
 
 
 def quantized_pools(k, v, kind):
-    fmt = KVFormat(kind)
+    fmt = FORMATS[kind]
     return quantize_pages(k, fmt), quantize_pages(v, fmt)
+
+
+def levels(pages):
+    """The stored levels ``[..., H]`` as float32 (int4 unpacked: low nibble first)."""
+    if pages.format.kind != "int4":
+        return np.asarray(pages.data, np.float32)
+    data = np.asarray(pages.data).astype(np.int16)
+    nibbles = np.stack([data & 0xF, data >> 4], axis=-1)
+    return np.where(nibbles >= 8, nibbles - 16, nibbles).reshape(*data.shape[:-1], -1) * 1.0
+
+
+def token_mask(mask, scale):
+    """A ``[..., C]`` token mask broadcast onto ``scale`` (int4 scales carry a group axis)."""
+    mask = np.asarray(mask)
+    return mask[..., None] if scale.ndim > mask.ndim else mask
 
 
 def attention_bound(q, k, v, kq, vq, table, lengths, *, scale=None):
@@ -81,20 +111,35 @@ def test_format_is_a_hashable_validated_config():
     assert KVFormat("fp8").storage_dtype == jnp.float8_e4m3fn and KVFormat("fp8").qmax == 448.0
     # Bytes per token per kv head, data + one float32 scale: H = 128 -> 132 vs 256 (bf16).
     assert KVFormat("int8").bytes_per_token(128) == 132 == KVFormat("fp8").bytes_per_token(128)
+    # int4: H / 2 + 2 * H / g with bfloat16 group scales: 72 of bf16's 256 at H = 128, g = 32.
+    int4 = KVFormat("int4")
+    assert int4.group_size == 32 and int4 == KVFormat("int4", group_size=32)
+    assert int4.storage_dtype == jnp.uint8 and int4.scale_dtype == jnp.bfloat16
+    assert int4.qmax == 7.0 and int4.tag == "int4-g32" and KVFormat("fp8").tag == "fp8"
+    assert int4.bytes_per_token(128) == 72 and int4.bytes_per_token(128) / 256 == 0.28125
+    assert int4.bytes_per_token(64) == 36 and int4.bytes_per_token(64) / 128 == 0.28125
+    assert KVFormat("int4", group_size=64).bytes_per_token(128) == 68
+    assert KVFormat("int4", 4) != int4 and hash(KVFormat("int4", 4)) == hash(KVFormat("int4", 4))
+    assert int4.data_shape((3, 4, 64)) == (3, 4, 32) and int4.scale_shape((3, 4, 64)) == (3, 4, 2)
+    assert int4.float_shape((3, 4, 32)) == (3, 4, 64)
     with pytest.raises(ValueError, match="KVFormat: kind: expected one of"):
         KVFormat("int9")
-    for planned in ("int4",):
-        with pytest.raises(NotImplementedError, match=r"KVFormat: kind: .* not yet supported"):
-            KVFormat(planned)
+    for bad in (0, -2, 3):
+        with pytest.raises(ValueError, match="KVFormat: group_size: expected a positive even"):
+            KVFormat("int4", group_size=bad)
+    with pytest.raises(ValueError, match="KVFormat: group_size: 'int8' has one scale per token"):
+        KVFormat("int8", group_size=16)
 
 
 # --- round trips -------------------------------------------------------------------------
 
 
 @st.composite
-def token_blocks(draw):
-    """``[D, C, H]`` float32 blocks mixing random, all-zero, constant and outlier tokens."""
-    D, C, H = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 16))
+def token_blocks(draw, multiple=1):
+    """``[D, C, H]`` float32 blocks mixing random, all-zero, constant and outlier tokens
+    (``H`` a multiple of ``multiple``)."""
+    D, C = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    H = multiple * draw(st.integers(1, 16 // multiple))
     exponent = draw(st.integers(-30, 30))
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
@@ -110,29 +155,39 @@ def token_blocks(draw):
 
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(x=token_blocks())
-def test_round_trip_is_within_the_format_bound(kind, x):
-    pages = quantize_pages(jnp.asarray(x), KVFormat(kind))
-    assert pages.data.dtype == KVFormat(kind).storage_dtype and pages.scale.dtype == jnp.float32
-    assert pages.shape == x.shape and pages.scale.shape == x.shape[:-1]
+@given(data=st.data())
+def test_round_trip_is_within_the_format_bound(kind, data):
+    fmt = FORMATS[kind]
+    x = data.draw(token_blocks(fmt.group_size if kind == "int4" else 1))
+    pages = quantize_pages(jnp.asarray(x), fmt)
+    assert pages.data.dtype == fmt.storage_dtype and pages.scale.dtype == fmt.scale_dtype
+    assert pages.shape == x.shape and pages.scale.shape == fmt.scale_shape(x.shape)
+    assert pages.data.shape == fmt.data_shape(x.shape)
+    assert pages.nbytes == x.size // x.shape[-1] * fmt.bytes_per_token(x.shape[-1])
     back = np.asarray(pages.dequantize(), np.float64)
     x64 = x.astype(np.float64)
     err = np.abs(back - x64)
     bound = error_bound(x64, kind)
     assert np.all(err <= bound), f"max excess {np.max(err - bound):.3g}"
-    # All-zero tokens: scale 0, exact zeros. Scales are absmax / qmax.
-    zero = np.all(x == 0, axis=-1)
-    np.testing.assert_array_equal(np.asarray(pages.scale)[zero], 0.0)
-    np.testing.assert_array_equal(back[zero], 0.0)
-    want = np.max(np.abs(x64), axis=-1) / KVFormat(kind).qmax
+    # All-zero tokens (groups): scale 0, exact zeros. Scales are absmax / qmax (int4: rounded
+    # to bfloat16).
+    scale = np.asarray(pages.scale, np.float64)
+    zero = group_absmax(x64, kind) == 0
+    np.testing.assert_array_equal(scale[zero], 0.0)
+    zero_values = np.broadcast_to(group_absmax(x64, kind, keepdims=True) == 0, back.shape)
+    np.testing.assert_array_equal(back[zero_values], 0.0)
+    want = group_absmax(x64, kind) / fmt.qmax
     normal = want >= 2.0**-126  # smaller scales flush to zero (and the token stores zeros)
-    np.testing.assert_allclose(np.asarray(pages.scale)[normal], want[normal], rtol=1e-6)
-    np.testing.assert_array_equal(back[~normal], 0.0)
+    rtol = 2.0**-8 if kind == "int4" else 1e-6
+    np.testing.assert_allclose(scale[normal], want[normal], rtol=rtol)
+    flushed = group_absmax(x64, kind, keepdims=True) / fmt.qmax < 2.0**-126
+    np.testing.assert_array_equal(back[np.broadcast_to(flushed, back.shape)], 0.0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_constant_and_extreme_tokens(kind):
-    fmt = KVFormat(kind)
+    fmt = FORMATS[kind]
+    rtol = 2.0**-8 if kind == "int4" else 1e-6  # int4: 7 * its bf16 scale is not 3.0
     x = jnp.array(
         [
             [3.0] * 4,  # constant: decodes to itself up to float32 rounding
@@ -145,23 +200,23 @@ def test_constant_and_extreme_tokens(kind):
     pages = quantize_pages(x, fmt)
     back = np.asarray(pages.dequantize())
     assert np.all(np.isfinite(back))
-    np.testing.assert_allclose(back[0, 0], 3.0, rtol=1e-6)
-    np.testing.assert_allclose(back[0, 1, [0, 3]], [-2.5e38, 2.5e38], rtol=1e-6)
+    np.testing.assert_allclose(back[0, 0], 3.0, rtol=rtol)
+    np.testing.assert_allclose(back[0, 1, [0, 3]], [-2.5e38, 2.5e38], rtol=rtol)
     np.testing.assert_array_equal(back[0, 2], 0.0)  # its scale would be subnormal
     np.testing.assert_array_equal(back[0, 3], 0.0)
-    assert int(jnp.max(jnp.abs(pages.data.astype(jnp.float32)))) == int(fmt.qmax)
+    assert int(np.max(np.abs(levels(pages)))) == int(fmt.qmax)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
 def test_nan_or_inf_token_decodes_to_nan_and_validate_rejects_it(kind, poison):
     x = jnp.ones((1, 3, 4)).at[0, 1, 2].set(poison)
-    pages = quantize_pages(x, KVFormat(kind))
+    pages = quantize_pages(x, FORMATS[kind])  # H = 4: one int4 group
     back = np.asarray(pages.dequantize())
-    assert np.all(np.isnan(back[0, 1])) and np.isnan(float(pages.scale[0, 1]))
-    np.testing.assert_allclose(back[0, [0, 2]], 1.0)
+    assert np.all(np.isnan(back[0, 1])) and np.all(np.isnan(np.asarray(pages.scale[0, 1], float)))
+    np.testing.assert_allclose(back[0, [0, 2]], 1.0, rtol=2.0**-8 if kind == "int4" else 1e-7)
     # Written into a cache, the token is caught by validate (readable slots only).
-    cache = init_paged_cache(1, 1, 4, 2, 4, batch=1, max_pages_per_seq=2, kv_format=KVFormat(kind))
+    cache = init_paged_cache(1, 1, 4, 2, 4, batch=1, max_pages_per_seq=2, kv_format=FORMATS[kind])
     cache = with_page_table(cache, jnp.array([[2, 3]]))
     token = jnp.ones((1, 1, 3, 1, 4)).at[0, 0, 2, 0, 1].set(poison)
     cache = write(cache, token, jnp.ones_like(token), 0)
@@ -175,14 +230,17 @@ def test_nan_or_inf_token_decodes_to_nan_and_validate_rejects_it(kind, poison):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cache_writes_quantize_and_gather_decodes(kind):
-    fmt = KVFormat(kind)
+    fmt = FORMATS[kind]
     rng = np.random.default_rng(1)
     L, K, P, C, H, B, M = 2, 2, 9, 4, 8, 2, 3
     cache = init_paged_cache(L, K, P, C, H, batch=B, max_pages_per_seq=M, kv_format=fmt)
     assert isinstance(cache.k_pages, QuantizedPages) and cache.kv_format == fmt
     assert cache.k_pages.shape == (L, K, P, C, H) and cache.k_pages.dtype == fmt.storage_dtype
-    assert cache.k_pages.scale.shape == (L, K, P, C)
-    assert cache.k_pages.nbytes == L * K * P * C * (H * fmt.storage_dtype.itemsize + 4)
+    assert cache.k_pages.scale.shape == fmt.scale_shape((L, K, P, C, H))
+    assert cache.k_pages.data.shape == fmt.data_shape((L, K, P, C, H))
+    assert cache.k_pages.nbytes == L * K * P * C * fmt.bytes_per_token(H)
+    if kind != "int4":
+        assert cache.k_pages.nbytes == L * K * P * C * (H * fmt.storage_dtype.itemsize + 4)
     paged.validate(cache)
     cache = with_page_table(cache, jnp.array([[5, 2, 7], [3, 4, 0]]))
     k = jnp.asarray(rng.standard_normal((L, B, 5, K, H)), jnp.float32)
@@ -234,7 +292,7 @@ def test_cache_writes_quantize_and_gather_decodes(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_writes_vmap_over_a_stack_of_quantized_caches(kind):
-    fmt = KVFormat(kind)
+    fmt = FORMATS[kind]
     rng = np.random.default_rng(2)
     cache = init_paged_cache(1, 1, 5, 2, 4, batch=1, max_pages_per_seq=2, kv_format=fmt)
     cache = with_page_table(cache, jnp.array([[3, 1]]))
@@ -262,6 +320,9 @@ def test_float_cache_is_unchanged_by_default():
 # (kind, C, heads (N, K), options, T, pages_per_block, q dtype)
 ATTENTION_CASES = [
     ("int8", 4, (4, 2), {}, 1, 1, jnp.float32),
+    ("int4", 4, (4, 2), {}, 1, 2, jnp.float32),
+    ("int4", 4, (4, 1), {"window": 6, "softcap": 4.0, "sinks": True}, 2, 1, jnp.bfloat16),
+    ("int4", 16, (4, 4), {"window": (3, None, 9, 5), "causal": False}, 2, 2, jnp.float32),
     ("fp8", 4, (4, 2), {"window": 3}, 2, 2, jnp.float32),
     ("int8", 4, (4, 1), {"softcap": 5.0}, 1, 8, jnp.bfloat16),
     ("fp8", 16, (4, 4), {"window": (3, None, 9, 5), "sinks": True}, 2, 2, jnp.float32),
@@ -348,7 +409,8 @@ def test_ragged_attention_over_quantized_pages(kind):
 
 
 @pytest.mark.parametrize(
-    "kind, D, axis_type", [("int8", 2, AxisType.Auto), ("fp8", 4, AxisType.Explicit)]
+    "kind, D, axis_type",
+    [("int8", 2, AxisType.Auto), ("fp8", 4, AxisType.Explicit), ("int4", 4, AxisType.Auto)],
 )
 def test_sharded_attention_over_quantized_pages(kind, D, axis_type):
     rng = np.random.default_rng(20 + D)
@@ -383,21 +445,28 @@ def test_garbage_in_unreadable_slots_and_scales_has_no_effect(kind, poison):
     kq, vq = quantized_pools(k, v, kind)
     # make_pool put NaN in every unreadable slot (null page, free pages, past lengths):
     # quantized, those tokens carry NaN scales. Poison them further.
-    unreadable = np.isnan(np.asarray(kq.scale[0]))  # [P, C]
+    scale0 = np.isnan(np.asarray(kq.scale[0], np.float32))  # [P, C] (int4: [P, C, H / g])
+    unreadable = scale0.all(-1) if kind == "int4" else scale0  # [P, C]
     assert unreadable[0].all() and unreadable.sum() > C
+    on_scale = token_mask(unreadable[None], kq.scale)  # [1, P, C] (int4: [1, P, C, 1])
 
     def poisoned(pages):
-        scale = jnp.where(unreadable[None], poison, pages.scale)
+        scale = jnp.where(on_scale, poison, pages.scale).astype(pages.scale.dtype)
         data = pages.data
         if kind == "fp8":  # fp8 can store NaN itself
             data = jnp.where(unreadable[None, :, :, None], jnp.nan, data.astype(jnp.float32))
             data = data.astype(pages.data.dtype)
+        elif kind == "int4":  # 0x88: the -8 nibbles, never written
+            data = jnp.where(unreadable[None, :, :, None], 0x88, data).astype(jnp.uint8)
         else:
             data = jnp.where(unreadable[None, :, :, None], 127, data).astype(jnp.int8)
         return QuantizedPages(data, scale, pages.format)
 
-    clean_k = QuantizedPages(kq.data, jnp.where(unreadable[None], 0.0, kq.scale), kq.format)
-    clean_v = QuantizedPages(vq.data, jnp.where(unreadable[None], 0.0, vq.scale), vq.format)
+    def clean(pages):
+        scale = jnp.where(on_scale, 0.0, pages.scale).astype(pages.scale.dtype)
+        return QuantizedPages(pages.data, scale, pages.format)
+
+    clean_k, clean_v = clean(kq), clean(vq)
     q = jnp.asarray(rng.standard_normal((table.shape[0], 2, N, H)), jnp.float32)
     table = table.at[1, 2].set(99).at[2, 2].set(-1)  # bad ids past the lengths too
     sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
@@ -438,12 +507,14 @@ def test_vmap_and_jit_over_quantized_pools(kind):
         )
         assert_close(got[i], ref.out, dtype=jnp.float32, what=f"vmap {i}")
     # quantize_pages under jit and vmap agrees with the eager result.
-    eager = quantize_pages(k, KVFormat(kind))
-    mapped = jax.jit(jax.vmap(functools.partial(quantize_pages, kv_format=KVFormat(kind))))(k)
+    eager = quantize_pages(k, FORMATS[kind])
+    mapped = jax.jit(jax.vmap(functools.partial(quantize_pages, kv_format=FORMATS[kind])))(k)
     np.testing.assert_array_equal(
         np.asarray(mapped.data, np.float32), np.asarray(eager.data, np.float32)
     )
-    np.testing.assert_array_equal(mapped.scale, eager.scale)
+    np.testing.assert_array_equal(  # NaN scales (free slots) included; bf16 via float32
+        np.asarray(mapped.scale, np.float32), np.asarray(eager.scale, np.float32)
+    )
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -458,6 +529,9 @@ def test_errors_name_the_argument():
     q = jnp.ones((1, 1, 2, 8))
     with pytest.raises(ValueError, match="KVFormat: kind: expected one of"):
         KVFormat(8)
+    for bad in (2.0, True, "32", None):
+        with pytest.raises(ValueError, match="KVFormat: group_size: expected a positive even"):
+            KVFormat("int4", group_size=bad)
     with pytest.raises(ValueError, match="paged_attention: v_pages: expected a pool of the same"):
         paged_attention(q, kq, v, table, lengths)
     with pytest.raises(ValueError, match="paged_attention: k_pages: expected a pool of the same"):
@@ -491,3 +565,150 @@ def test_errors_name_the_argument():
             1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2, kv_format=KVFormat("int8")
         )
         paged.validate(cache._replace(v_pages=other.v_pages))
+    k4, v4 = quantized_pools(k, v, "int4")
+    bad_scale = QuantizedPages(k4.data, k4.scale.astype(jnp.float32), k4.format)
+    with pytest.raises(ValueError, match=r"k_pages.scale: expected bfloat16 scales of shape"):
+        paged_attention(q, bad_scale, v4, table, lengths)
+    other_group = QuantizedPages(v4.data, v4.scale[..., :1], KVFormat("int4", group_size=8))
+    with pytest.raises(ValueError, match="v_pages: expected the shape and format of k_pages"):
+        paged_attention(q, k4, other_group, table, lengths)
+    with pytest.raises(ValueError, match="paged_attention: v_pages: expected a pool of the same"):
+        paged_attention(q, k4, v, table, lengths)
+
+
+# --- int4 --------------------------------------------------------------------------------
+
+
+def test_int4_packs_two_levels_per_byte_and_round_trips_representable_values_exactly():
+    rng = np.random.default_rng(11)
+    fmt = KVFormat("int4", group_size=8)
+    q = rng.integers(-7, 8, size=(3, 5, 16))  # [D, C, H] levels
+    q[..., 0], q[..., 9] = 7, -7  # each group reaches +-7: absmax = 7 * step
+    step = 2.0 ** rng.integers(-20, 20, size=(3, 5, 2))  # bf16-exact steps, one per group
+    x = q * np.repeat(step, 8, axis=-1)
+    pages = quantize_pages(jnp.asarray(x, jnp.float32), fmt)
+    np.testing.assert_array_equal(np.asarray(pages.dequantize(), np.float64), x)
+    np.testing.assert_array_equal(np.asarray(pages.scale, np.float64), step)
+    # Value 2i in the low nibble of byte i, 2i + 1 in the high one, two's complement.
+    data = np.asarray(pages.data)
+    np.testing.assert_array_equal(data, (q[..., 0::2] & 0xF) | ((q[..., 1::2] & 0xF) << 4))
+    np.testing.assert_array_equal(levels(pages), q)
+    # Every byte decodes (garbage included): the nibble 8 is -8 levels, never written.
+    every = QuantizedPages(
+        jnp.arange(256, dtype=jnp.uint8).reshape(1, 256), jnp.ones((1, 64), jnp.bfloat16),
+        KVFormat("int4", group_size=8),
+    )  # fmt: skip
+    decoded = np.asarray(every.dequantize()).reshape(256, 2)
+    nibble = np.arange(256)
+    signed = lambda n: np.where(n >= 8, n - 16, n)
+    np.testing.assert_array_equal(decoded[:, 0], signed(nibble & 0xF))
+    np.testing.assert_array_equal(decoded[:, 1], signed(nibble >> 4))
+    assert np.min(levels(quantize_pages(-jnp.abs(jnp.asarray(x, jnp.float32)), fmt))) == -7
+
+
+@st.composite
+def grouped_blocks(draw):
+    """``[C, H]`` float32 tokens, ``H = n * g``, and the group with an outlier (or None)."""
+    g = draw(st.sampled_from([2, 4, 8]))
+    n, C = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    x = rng.standard_normal((C, n * g)) * 10.0 ** draw(st.integers(-20, 20))
+    pattern = draw(st.sampled_from(["random", "zero", "constant", "outlier"]))
+    if pattern == "zero":
+        x[:] = 0.0
+    elif pattern == "constant":
+        x[:] = draw(st.floats(-1e30, 1e30, allow_nan=False))
+    outlier = None
+    if pattern == "outlier" or draw(st.booleans()):
+        outlier = draw(st.integers(0, n - 1))
+        x[:, outlier * g + draw(st.integers(0, g - 1))] = draw(st.sampled_from([1e30, -3e38]))
+    return g, np.clip(x, -3e38, 3e38).astype(np.float32), outlier
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(block=grouped_blocks())
+def test_int4_round_trip_bound_and_groups_are_independent(block):
+    g, x, outlier = block
+    fmt = KVFormat("int4", group_size=g)
+    pages = quantize_pages(jnp.asarray(x), fmt)
+    back = np.asarray(pages.dequantize(), np.float64)
+    x64 = x.astype(np.float64)
+    groups = np.abs(x64).reshape(*x.shape[:-1], -1, g)
+    absmax = np.repeat(np.max(groups, axis=-1), g, axis=-1)
+    bound = absmax / 14 * (1 + 2.0**-8) + absmax * 2e-7 + 7 * 2.0**-126
+    err = np.abs(back - x64)
+    assert np.all(err <= bound), f"max excess {np.max(err - bound):.3g}"
+    np.testing.assert_array_equal(back[absmax == 0], 0.0)
+    # Each group is quantized on its own: a huge outlier leaves the other groups exactly as
+    # they would be without it (its own group alone loses precision).
+    for j in range(x.shape[-1] // g):
+        alone = quantize_pages(jnp.asarray(x[..., j * g : (j + 1) * g]), fmt)
+        np.testing.assert_array_equal(back[..., j * g : (j + 1) * g], alone.dequantize())
+    if outlier is not None and x.shape[-1] > g:
+        other = (outlier + 1) % (x.shape[-1] // g)
+        part = x64[..., other * g : (other + 1) * g]
+        got = back[..., other * g : (other + 1) * g]
+        assert np.all(np.abs(got - part) <= np.max(np.abs(part), -1, keepdims=True) / 13.9)
+
+
+def test_int4_odd_shapes_and_group_sizes():
+    rng = np.random.default_rng(12)
+    for shape, g in [((1, 2), 2), ((1, 1, 6), 2), ((2, 1, 3, 1, 12), 6), ((3, 64), 64)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        fmt = KVFormat("int4", group_size=g)
+        pages = jax.jit(quantize_pages, static_argnums=1)(jnp.asarray(x), fmt)
+        assert pages.shape == shape and pages.ndim == len(shape)
+        assert pages.data.shape == (*shape[:-1], shape[-1] // 2)
+        assert pages.scale.shape == (*shape[:-1], shape[-1] // g)
+        back = np.asarray(pages.dequantize(), np.float64)
+        assert np.all(np.abs(back - x) <= error_bound_int4(x, g)), shape
+    # A head dim that the group does not divide (H < group_size included) is an error.
+    with pytest.raises(ValueError, match=r"quantize_pages: x: expected a head dim H divisible"):
+        quantize_pages(jnp.ones((2, 48)), KVFormat("int4"))
+    with pytest.raises(ValueError, match=r"quantize_pages: x: .*group_size 32, got H=16"):
+        quantize_pages(jnp.ones((2, 16)), KVFormat("int4"))
+    with pytest.raises(ValueError, match=r"init_paged_cache: head_dim: .*group_size 4, got H=6"):
+        init_paged_cache(1, 1, 4, 2, 6, batch=1, max_pages_per_seq=2, kv_format=FORMATS["int4"])
+
+
+def error_bound_int4(x, g):
+    x = np.asarray(x, np.float64)
+    absmax = np.repeat(np.max(np.abs(x).reshape(*x.shape[:-1], -1, g), -1), g, -1)
+    return absmax / 14 * (1 + 2.0**-8) + absmax * 2e-7
+
+
+def test_int4_default_group_cache_attention_at_head_dim_64():
+    """The default format (group 32) end to end: writes, gather, attention vs both oracles."""
+    rng = np.random.default_rng(13)
+    fmt = KVFormat("int4")
+    L, K, P, C, H, B, M, N = 1, 2, 7, 4, 64, 2, 3, 4
+    cache = init_paged_cache(L, K, P, C, H, batch=B, max_pages_per_seq=M, kv_format=fmt)
+    assert cache.k_pages.nbytes == L * K * P * C * 36  # 32 data bytes + 2 bf16 scales
+    cache = with_page_table(cache, jnp.array([[4, 1, 6], [2, 5, 0]]))
+    k = jnp.asarray(rng.standard_normal((L, B, 7, K, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((L, B, 7, K, H)), jnp.float32)
+    cache = jax.jit(write)(cache, k, v, jnp.array([0, 0]))
+    paged.validate(cache)
+    gk, gv = gather_kv(cache, 0)
+    assert np.all(np.abs(np.asarray(gk[:, :7]) - np.asarray(k[0])) <= error_bound_int4(k[0], 32))
+    q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
+    res = jax.jit(paged_attention)(q, cache.k_pages[0], cache.v_pages[0], cache.page_table,
+                                   cache.lengths)  # fmt: skip
+    decoded = paged_attention_reference(
+        q, cache.k_pages[0].dequantize(), cache.v_pages[0].dequantize(), cache.page_table,
+        cache.lengths,
+    )  # fmt: skip
+    assert_close(res.out, decoded.out, dtype=jnp.float32, what="int4 g32 vs decoded")
+    # Against the original KV, with the pools' float layout rebuilt from k and v.
+    fk = np.full((K, P, C, H), np.nan, np.float32)
+    fv = np.full((K, P, C, H), np.nan, np.float32)
+    table = np.asarray(cache.page_table)
+    for b in range(B):
+        for t in range(7):
+            fk[:, table[b, t // C], t % C] = np.asarray(k[0, b, t])
+            fv[:, table[b, t // C], t % C] = np.asarray(v[0, b, t])
+    fk, fv = jnp.asarray(fk), jnp.asarray(fv)
+    original = paged_attention_reference(q, fk, fv, cache.page_table, cache.lengths)
+    err = float(np.max(np.abs(np.asarray(res.out) - np.asarray(original.out))))
+    bound = attention_bound(q, fk, fv, cache.k_pages[0], cache.v_pages[0], table, cache.lengths)
+    assert err <= bound, f"int4 g32: error {err:.3g} > bound {bound:.3g}"
