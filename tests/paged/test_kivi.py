@@ -224,8 +224,8 @@ def _filled(rng, T=23, N=4, **kw):
     B = cache.page_table.shape[0]
     k, v = _kv(rng, L, B, T, K, H)
     cache = write(cache, k, v, 0)
-    lengths = jnp.array([T, 13, 0][:B])
-    return cache._replace(lengths=lengths), k, v
+    lengths = jnp.array([T, 13, 0][:B])  # row 1 cut back into a stored page: re-seated
+    return with_page_table(cache, cache.page_table, lengths), k, v
 
 
 @pytest.mark.parametrize(
@@ -286,8 +286,9 @@ def test_garbage_in_unreadable_slots_has_no_effect():
     clean = paged_attention(q, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths)
     C = cache.page_size
     kp, vp = cache.k_pages, cache.v_pages
-    # NaN in the residual past each length, in pages no table row reaches, and in the stored
-    # page under each open residual page.
+    # NaN in the residual past each row's written length, in pages no table row reaches, and
+    # in the stored page under each open residual page.
+    np.testing.assert_array_equal(kp.residual_len[0, 0], cache.lengths)
     res_k = np.array(kp.residual)
     for b, n in enumerate(np.asarray(cache.lengths)):
         res_k[:, :, b, n % C :] = np.nan
@@ -359,7 +360,7 @@ def test_errors_name_the_argument():
         quantize_pages(x, FMT)
     with pytest.raises(ValueError, match="quantize_pages: role: only kivi2"):
         quantize_pages(x, KVFormat("int8"), role="keys")
-    with pytest.raises(ValueError, match="quantize_pages: x: kivi2 needs"):
+    with pytest.raises(ValueError, match="quantize_pages: x: kivi2 packs 4 codes a byte"):
         quantize_pages(jnp.ones((2, 4, 6)), FMT, role="keys")
     with pytest.raises(ValueError, match="write: count: expected an int or shape"):
         write(_cache(), *_kv(np.random.default_rng(0), 2, 3, 2, 2, 8), 0, count=jnp.ones(2, int))
