@@ -188,36 +188,47 @@ def measured_bytes(name: str, head_dim: int, *, page_size: int = PAGE) -> float:
     return (cache.k_pages.nbytes + cache.v_pages.nbytes) / (L * K * P * page_size)
 
 
-def formula_bytes(name: str, head_dim: int) -> int:
+def formula_bytes(name: str, head_dim: int, *, page_size: int = PAGE) -> float:
     """The same from the format's own formula: ``2 * H * itemsize`` for float pools,
-    ``2 * KVFormat.bytes_per_token(H)`` for a quantized one."""
+    ``2 * KVFormat.bytes_per_token(H)`` for a quantized one (kivi2: at ``page_size``)."""
     import jax.numpy as jnp
 
     dtype, kv_format = storage(name, head_dim)
     if kv_format is None:
         return 2 * head_dim * jnp.dtype(dtype).itemsize
+    if kv_format.kind == "kivi2":
+        return 2 * kv_format.bytes_per_token(head_dim, page_size=page_size)
     return 2 * kv_format.bytes_per_token(head_dim)
+
+
+# kivi2's key statistics are per page: its bytes also shown at a larger page size.
+KIVI_BIG_PAGE = 64
 
 
 def bytes_rows(names, shape: ModelShape, tokens: int) -> dict[str, dict[str, float]]:
     """name -> ``{"per_token", "formula_per_token", "sequence", "vs_bf16", "vs_float32"}`` for
     ``shape`` (all layers and kv heads) and a sequence of ``tokens`` tokens; a string saying
     why for a format that cannot store this head dim."""
-    per_head = {}
-    for n in ["float32", "bf16", *names]:
+    per_head, pages = {}, {}
+    entries = [(n, n, PAGE) for n in ["float32", "bf16", *names]]
+    if "kivi2" in names:
+        entries.append((f"kivi2 (C={KIVI_BIG_PAGE})", "kivi2", KIVI_BIG_PAGE))
+    for label, n, C in entries:
+        pages[label] = (n, C)
         try:
-            per_head[n] = measured_bytes(n, shape.head_dim)
+            per_head[label] = measured_bytes(n, shape.head_dim, page_size=C)
         except (ValueError, NotImplementedError) as e:  # a format that rejects this H
-            per_head[n] = e
+            per_head[label] = e
     scale = shape.layers * shape.kv_heads
     rows = {}
-    for n, b in per_head.items():
+    for label, b in per_head.items():
+        n, C = pages[label]
         if isinstance(b, Exception):
-            rows[n] = f"n/a ({b})"
+            rows[label] = f"n/a ({b})"
             continue
-        rows[n] = {
+        rows[label] = {
             "per_token": b * scale,
-            "formula_per_token": formula_bytes(n, shape.head_dim) * scale,
+            "formula_per_token": formula_bytes(n, shape.head_dim, page_size=C) * scale,
             "sequence": b * scale * tokens,
             "vs_bf16": b / per_head["bf16"],
             "vs_float32": b / per_head["float32"],
@@ -234,6 +245,7 @@ def size_text(nbytes: float) -> str:
 
 
 def target_cell(name: str, vs_bf16: float) -> str:
+    name = name.split(" ")[0]  # "kivi2 (C=64)" -> kivi2's target
     if name not in TARGETS:
         return "-"
     met = vs_bf16 <= TARGETS[name]
@@ -395,13 +407,37 @@ def _int4_bound(x, absmax):  # absmax: the group's (see within_bound)
     return absmax / 14 * (1 + 2.0**-8)
 
 
-BOUNDS = {"int8": _int8_bound, "fp8": _fp8_bound, "int4": _int4_bound}
+BOUNDS = {"int8": _int8_bound, "fp8": _fp8_bound, "int4": _int4_bound, "kivi2": None}
 
 
-def within_bound(kind: str, x: np.ndarray, y: np.ndarray) -> bool | None:
-    """Whether every ``|x - y|`` is within ``kind``'s documented bound (None: none documented)."""
+def _kivi2_in_bound(x: np.ndarray, y: np.ndarray, role: str) -> bool:
+    """paged/_kivi.py's bound ``(max - min) / 6 + (|min| + |max|) * 2**-8`` over each group
+    (keys: a channel over a page of ``PAGE`` tokens; values: a token over ``H``) for the
+    stored pages; the open page (``S % PAGE`` last tokens, the residual) exactly."""
+    L, B, S, K, H = x.shape
+    n = S // PAGE * PAGE
+    if n:
+        xs = x[:, :, :n].astype(np.float64)
+        if role == "keys":
+            g = xs.reshape(L, B, n // PAGE, PAGE, K, H)
+            lo, hi = g.min(axis=3, keepdims=True), g.max(axis=3, keepdims=True)
+            lo, hi = (np.broadcast_to(a, g.shape).reshape(xs.shape) for a in (lo, hi))
+        else:
+            lo, hi = xs.min(axis=-1, keepdims=True), xs.max(axis=-1, keepdims=True)
+        bound = (hi - lo) / 6 + (np.abs(lo) + np.abs(hi)) * 2.0**-8
+        bound = bound + 1e-6 * np.maximum(np.abs(lo), np.abs(hi)) + 1e-30
+        if not np.all(np.abs(xs - y[:, :, :n]) <= bound):
+            return False
+    return bool(np.array_equal(x[:, :, n:], y[:, :, n:]))
+
+
+def within_bound(kind: str, x: np.ndarray, y: np.ndarray, role: str = "keys") -> bool | None:
+    """Whether every ``|x - y|`` is within ``kind``'s documented bound (None: none documented);
+    ``x, y [L, B, S, K, H]``, ``role`` ``"keys"`` or ``"values"`` (kivi2 differs)."""
     if kind not in BOUNDS:
         return None
+    if kind == "kivi2":
+        return _kivi2_in_bound(x, y, role)
     absmax = np.abs(x).max(axis=-1, keepdims=True)
     if kind == "int4":  # per group of storage()'s group size along H
         _, kv_format = storage(kind, x.shape[-1])
@@ -470,8 +506,8 @@ def evaluate_case(case: Case, names) -> dict[str, CaseResult]:
         results[name] = CaseResult(
             errors(case.k, k),
             errors(case.v, v),
-            within_bound(name, case.k, k),
-            within_bound(name, case.v, v),
+            within_bound(name, case.k, k, "keys"),
+            within_bound(name, case.v, v, "values"),
             errors(ref_out, out),
         )
     return results

@@ -86,7 +86,8 @@ def test_bench_kvquant_bytes_match_the_formula_and_the_readme():
     tiny = bk.ModelShape("tiny", 2, 8, 2, 16)
     for shape in (bk.LLAMA_70B, bk.LLAMA_70B_MHA, tiny):
         rows = bk.bytes_rows(names, shape, 1000)
-        assert set(rows) == {"float32", "bf16", *names}
+        extra = {f"kivi2 (C={bk.KIVI_BIG_PAGE})"} if "kivi2" in names else set()
+        assert set(rows) == {"float32", "bf16", *names} | extra
         for name, row in rows.items():
             assert row["per_token"] == row["formula_per_token"], (shape, name, row)
             assert row["sequence"] == 1000 * row["per_token"]
@@ -100,6 +101,11 @@ def test_bench_kvquant_bytes_match_the_formula_and_the_readme():
     assert article["bf16"]["sequence"] == 640 * bk.GiB
     assert bk.target_cell("int8", llama["int8"]["vs_bf16"]) == "<= 0.53x: met"
     assert "missed" in bk.target_cell("int8", 0.6) and bk.target_cell("fp8", 0.5) == "-"
+    if "kivi2" in names:  # H = 128: 100 bytes (K + V) at C = 16, 76 at C = 64, vs bf16's 512
+        big = f"kivi2 (C={bk.KIVI_BIG_PAGE})"
+        kivi = bk.bytes_rows(["kivi2"], bk.LLAMA_70B, bk.LLAMA_TOKENS)
+        assert kivi["kivi2"]["per_token"] == 80 * 8 * 100 and kivi[big]["per_token"] == 80 * 8 * 76
+        assert bk.target_cell(big, kivi[big]["vs_bf16"]) == "<= 0.16x: met"
     text = "\n".join(bk.bytes_section(names, tiny, 1000))
     assert all(f"| {n} |" in text for n in ["float32", "bf16", *names])
 
@@ -113,7 +119,7 @@ def test_bench_kvquant_errors_are_within_bounds_and_ordered_by_bits():
     for case in cases:
         res = results[case.name]
         assert set(res) == {"bf16", *names}
-        for kind in ("int8", "fp8", "int4"):  # the documented element-wise bounds hold
+        for kind in ("int8", "fp8", "int4", "kivi2"):  # the documented element-wise bounds hold
             assert res[kind].k_in_bound and res[kind].v_in_bound, (case.name, kind)
         for name, r in res.items():
             assert 0 < r.k.rel < 1 and 0 < r.v.rel < 1 and 0 < r.out.rel < 1, (case.name, name, r)
