@@ -39,7 +39,11 @@ group_size=32)`` packs two symmetric 4-bit levels (-7..7) per byte, ``data [L, K
 0.281 of bf16 at ``H = 128``; per element ``|x - x'| <= group_absmax / 14 * (1 + 2**-8)``).
 ``QuantizedPages.shape`` is always the float pool's. Writes quantize, the attention functions
 decode one page block at a time in float32, :func:`gather_kv` decodes. :func:`quantize_pages`
-turns a float pool into one.
+turns a float pool into one. ``KVFormat("kivi2")`` (KIVI-style 2-bit: keys per channel over a
+page, values per token, bfloat16 scale and zero-point) keeps each sequence's open page in a
+float32 residual page (``QuantizedPages.residual [L, K, B, C, H]``, ``residual_len [L, K, B]``)
+and stores a page whole when it fills; :func:`select_rows` narrows the residual for a table
+whose rows are another order of the cache's.
 
 Page 0 is our reserved null page; JAX's and vLLM's page tables use page 0 as an ordinary
 page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages),
