@@ -183,6 +183,15 @@ def policy_table(results, budgets, depths, mode, cell):
 FORMAT_CELLS = (("h2o", 1.0), ("h2o", 0.2), ("h2o", 0.5), ("snapkv", 0.2), ("snapkv", 0.5))
 
 
+def _kv_format(name: str, head_dim: int):
+    """``paged.KVFormat(name)``; int4 takes groups of ``min(32, H)`` (the model's H is 16)."""
+    import paged
+
+    if name == "int4":
+        return paged.KVFormat(name, group_size=min(32, head_dim))
+    return paged.KVFormat(name)
+
+
 def format_table(model, formats, results, depths, samples, length, batch):
     """Accuracy per KV format (float32 from ``results``) at full budget and with two policies
     at 20% / 50% (drop), over the same prompts."""
@@ -197,7 +206,7 @@ def format_table(model, formats, results, depths, samples, length, batch):
     ]
     rows = {}
     for name in ["float32", *formats]:
-        fmt = None if name == "float32" else paged.KVFormat(name)
+        fmt = None if name == "float32" else _kv_format(name, model.cfg.head_dim)
         accs = []
         for kind, budget in FORMAT_CELLS:
             per_depth = []
@@ -222,7 +231,7 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=16, help="samples per cell")
     parser.add_argument("--checkpoint", default="examples/longctx_lm/checkpoint")
     parser.add_argument(
-        "--formats", default="int8,fp8",
+        "--formats", default="int8,fp8,int4,kivi2",
         help="quantized KV formats to add (comma-separated paged.KVFormat kinds; '' for none)",
     )  # fmt: skip
     args = parser.parse_args(argv)
