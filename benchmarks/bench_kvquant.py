@@ -636,6 +636,39 @@ def decode_section(timing, B, S, N, K, H, repeats) -> list[str]:
     return lines
 
 
+def plot(path, names, cases, results) -> None:
+    """Attention output error (relative, log scale) against bytes per token vs bf16 (H=128,
+    the Llama rows) for each format, one series per KV case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_token = bytes_rows(names, LLAMA_70B, LLAMA_TOKENS)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for case in cases:
+        xs, ys, labels = [], [], []
+        for n in ["bf16", *names]:
+            r, b = results[case.name].get(n), per_token.get(n)
+            if isinstance(r, CaseResult) and isinstance(b, dict):
+                xs.append(b["vs_bf16"])
+                ys.append(max(r.out.rel, 1e-9))
+                labels.append(n)
+        ax.plot(xs, ys, "o-", label=case.name[:40])
+        for x, y, n in zip(xs, ys, labels, strict=True):
+            ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes per token vs bf16 (H=128, scales included)")
+    ax.set_ylabel("attention output error vs float32 (relative)")
+    ax.set_title("Quantized KV: memory vs attention error")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------------------------------
 def main(argv=None):
     parser = _common.make_parser(__doc__)
@@ -686,6 +719,9 @@ def main(argv=None):
         results[case.name] = evaluate_case(case, names)
         print(f"  errors: {case.name} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     lines += error_sections(cases, results)
+    png = run.out.with_suffix(".png")
+    plot(png, names, cases, results)
+    lines += [f"![memory vs attention error]({png.name})", ""]
 
     if not args.skip_decode:
         t1 = time.perf_counter()

@@ -195,7 +195,6 @@ def _kv_format(name: str, head_dim: int):
 def format_table(model, formats, results, depths, samples, length, batch):
     """Accuracy per KV format (float32 from ``results``) at full budget and with two policies
     at 20% / 50% (drop), over the same prompts."""
-    import paged
 
     head = "| pages | full | " + " | ".join(f"{k} {100 * b:g}%" for k, b in FORMAT_CELLS[1:])
     lines = [
