@@ -475,8 +475,15 @@ def test_select_rows_lets_any_table_order_read_the_residual():
         paged.select_rows(float_pool, jnp.ones((2, 2), jnp.int32))
 
 
-@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
-@pytest.mark.parametrize("D", [2, 4])
+@pytest.mark.parametrize(
+    ("D", "axis_type"),
+    [
+        (2, jax.sharding.AxisType.Explicit),
+        pytest.param(2, jax.sharding.AxisType.Auto, marks=pytest.mark.slow),
+        (4, jax.sharding.AxisType.Auto),
+        pytest.param(4, jax.sharding.AxisType.Explicit, marks=pytest.mark.slow),
+    ],
+)
 def test_sharded_decode_over_a_kivi2_cache(D, axis_type):
     # Pages split over the devices; each row's residual page (replicated) is read by the
     # device whose token range holds it. Lengths put the residual on several devices.
