@@ -1,5 +1,8 @@
-"""Quantized pools (``paged.QuantizedPages``, int8 / fp8 / int4) through the offload tiers: data and
-scales move together, as stored, in every layout; bytes shrink in proportion."""
+"""Quantized pools (``paged.QuantizedPages``, int8 / fp8 / int4 / kivi2) through the offload tiers:
+data and scales (kivi2: and zero-points) move together, as stored, in every layout; bytes shrink
+in proportion; a kivi2 pool's residual pages stay on the device."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +31,12 @@ FORMATS = {
     "int8": paged.KVFormat("int8"),
     "fp8": paged.KVFormat("fp8"),
     "int4": paged.KVFormat("int4", group_size=4),
+    "kivi2": paged.KVFormat("kivi2"),
 }
+# kivi2 pools come from a cache written with paged.write: KIVI_B rows of KIVI_M pages each
+# (pages 1 .. PAGES - 1), every row's last page open (its tokens in the residual).
+KIVI_B, KIVI_M = 3, 5
+KIVI_LENGTHS = (18, 19, 17)
 
 
 def _bits(x) -> np.ndarray:
@@ -37,10 +45,38 @@ def _bits(x) -> np.ndarray:
     return x.view(np.uint8).reshape(*x.shape, x.dtype.itemsize)
 
 
+def _stored(pool) -> list:
+    """The stored leaves of a quantized pool: data, scale (and kivi2 zero-points)."""
+    return [pool.data, pool.scale] + ([] if pool.zero is None else [pool.zero])
+
+
+def _with_stored(pool, arrays):
+    """``pool`` (residual, grouping and format kept) with its stored leaves replaced."""
+    data, scale, *zero = arrays
+    return dataclasses.replace(pool, data=data, scale=scale, zero=zero[0] if zero else None)
+
+
 def _assert_same(a, b):
-    np.testing.assert_array_equal(_bits(a.data), _bits(b.data))
-    np.testing.assert_array_equal(_bits(a.scale), _bits(b.scale))
+    assert (a.zero is None) == (b.zero is None) and a.grouping == b.grouping
+    for x, y in zip(_stored(a), _stored(b), strict=True):
+        np.testing.assert_array_equal(_bits(x), _bits(y))
     assert a.format == b.format
+
+
+def _kivi_cache(seed=0, lengths=KIVI_LENGTHS, num_pages=PAGES, batch=KIVI_B, pages=KIVI_M):
+    """A kivi2 cache ``[L, K, num_pages, C, H]`` whose rows hold ``lengths`` random tokens on
+    pages ``1 + b * pages ...`` (written with paged.write: stored pages and residuals)."""
+    fmt = FORMATS["kivi2"]
+    cache = paged.init_paged_cache(
+        L, K, num_pages, C, H, batch=batch, max_pages_per_seq=pages, kv_format=fmt
+    )
+    table = jnp.asarray(1 + np.arange(batch * pages).reshape(batch, pages), jnp.int32)
+    cache = paged.with_page_table(cache, table)
+    rng = np.random.default_rng(seed)
+    k, v = (
+        jnp.asarray(rng.standard_normal((L, batch, pages * C, K, H)), jnp.float32) for _ in "kv"
+    )
+    return paged.write(cache, k, v, 0, count=jnp.asarray(lengths, jnp.int32))
 
 
 def _qpools(name, kind="int8", axis_type=AxisType.Auto, seed=0):
@@ -48,26 +84,45 @@ def _qpools(name, kind="int8", axis_type=AxisType.Auto, seed=0):
     shape = (L, K, PAGES, C, H) if stacked else (K, PAGES, C, H)
     rng = np.random.default_rng(seed)
     fmt = FORMATS[kind]
-    k, v = (paged.quantize_pages(jnp.asarray(rng.standard_normal(shape)), fmt) for _ in "kv")
+    if kind == "kivi2":
+        cache = _kivi_cache(seed)
+        k, v = (cache.k_pages, cache.v_pages) if stacked else (cache.k_pages[0], cache.v_pages[0])
+        assert k.grouping == "channel" and v.grouping == "token" and k.residual is not None
+    else:
+        k, v = (paged.quantize_pages(jnp.asarray(rng.standard_normal(shape)), fmt) for _ in "kv")
     if mesh_shape is not None:
-        sharding = NamedSharding(_mesh(mesh_shape, names, axis_type), spec(len(shape)))
+        mesh = _mesh(mesh_shape, names, axis_type)
+        sharding = NamedSharding(mesh, spec(len(shape)))
+        # The residual ([*L, K, B, C, H]: per sequence row) is no page pool: replicated.
+        rest = NamedSharding(mesh, jax.sharding.PartitionSpec())
         k, v = (
-            paged.QuantizedPages(*jax.device_put((x.data, x.scale), (sharding, sharding)), fmt)
+            dataclasses.replace(
+                _with_stored(x, jax.device_put(_stored(x), sharding)),
+                residual=None if x.residual is None else jax.device_put(x.residual, rest),
+                residual_len=None if x.residual is None else jax.device_put(x.residual_len, rest),
+            )
             for x in (k, v)
         )
     return k, v
 
 
+def _zeros(pool):
+    """A device pool like ``pool`` (same shardings, residual kept) with zero stored leaves."""
+    return _with_stored(
+        pool, [jax.device_put(jnp.zeros_like(x), x.sharding) for x in _stored(pool)]
+    )
+
+
 def _model(like, slots, source, ids):
     """numpy leaves of a zero pool like ``like`` with ``source`` pages ``ids`` at ``slots``."""
     out = []
-    for zero, src in ((like.data, source.data), (like.scale, source.scale)):
+    for zero, src in zip(_stored(like), _stored(source), strict=True):
         axis = like.ndim - 3
         model = np.zeros(zero.shape, zero.dtype)
         index = (slice(None),) * axis
         model[(*index, slots)] = np.take(np.asarray(src), ids, axis)
         out.append(model)
-    return paged.QuantizedPages(*out, like.format)
+    return _with_stored(dataclasses.replace(like, residual=None, residual_len=None), out)
 
 
 FP8_CASES = [
@@ -82,22 +137,34 @@ FP8_CASES = [
     [pytest.param("int8", *c.values, id=f"int8-{c.id}") for c in CASES]
     + FP8_CASES
     + [
-        pytest.param("int4", *c.values, id=f"int4-{c.id}")
+        pytest.param(kind, *c.values, id=f"{kind}-{c.id}")
+        for kind in ("int4", "kivi2")
         for c in CASES
         if c.values[1] == AxisType.Auto or c.values[0] == "stacked-heads-pages"
     ],
 )
 def test_quantized_round_trip_every_layout(kind, name, axis_type):
     k, v = _qpools(name, kind, axis_type=axis_type)
+    residuals = (
+        [(np.asarray(x.residual), np.asarray(x.residual_len)) for x in (k, v)]
+        if (kind == "kivi2")
+        else None
+    )
     host = make_host_page_pool(k, v, SLOTS)
     assert isinstance(host.k_pages, paged.QuantizedPages) and host.k_pages.format == k.format
-    for leaf in (host.k_pages.data, host.k_pages.scale, host.v_pages.data, host.v_pages.scale):
+    assert host.k_pages.residual is None and host.v_pages.residual is None
+    assert (host.k_pages.grouping, host.v_pages.grouping) == (k.grouping, v.grouping)
+    for leaf in _stored(host.k_pages) + _stored(host.v_pages):
         assert leaf.sharding.memory_kind == "pinned_host"
     layers = L if k.ndim == 5 else 1
-    assert host.page_nbytes == 2 * layers * K * C * k.format.bytes_per_token(H)
-    if kind != "int4":
+    if kind == "kivi2":  # keys H / 4 + 4 H / C (10), values H / 4 + 4 (6): averaged, 8
+        assert host.page_nbytes == 2 * layers * K * C * k.format.bytes_per_token(H, C)
+        assert host.page_nbytes == layers * K * C * ((2 + 4 * 8 // C) + (2 + 4))
+    else:
+        assert host.page_nbytes == 2 * layers * K * C * k.format.bytes_per_token(H)
+    if kind in ("int8", "fp8"):
         assert host.page_nbytes == 2 * layers * K * C * (H * 1 + 4)
-    else:  # 4 packed bytes + two bfloat16 group scales per token per kv head
+    elif kind == "int4":  # 4 packed bytes + two bfloat16 group scales per token per kv head
         assert host.page_nbytes == 2 * layers * K * C * (4 + 2 * 2)
     split = "pages" in name
     assert host.page_shards == (LAYOUTS[name][1][-1] if split else 1)
@@ -108,27 +175,19 @@ def test_quantized_round_trip_every_layout(kind, name, axis_type):
     _assert_same(host.k_pages, _model(host.k_pages, slots, k, ids))
     _assert_same(host.v_pages, _model(host.v_pages, slots, v, ids))
     if split:
-        assert host.k_pages.data.sharding.spec == k.data.sharding.spec
-        assert host.k_pages.scale.sharding.spec == k.scale.sharding.spec
+        for a, b in zip(_stored(host.k_pages), _stored(k), strict=True):
+            assert a.sharding.spec == b.sharding.spec
     # Back into other device pages of the same devices, over a zero quantized pool.
     targets = ids[::-1].copy() if not split else ids
-    zeros = [
-        paged.QuantizedPages(jnp.zeros_like(x.data), jnp.zeros_like(x.scale), x.format)
-        for x in (k, v)
-    ]
-    zeros = [
-        paged.QuantizedPages(
-            jax.device_put(z.data, x.data.sharding),
-            jax.device_put(z.scale, x.scale.sharding),
-            z.format,
-        )
-        for z, x in zip(zeros, (k, v), strict=True)
-    ]
-    k2, v2 = wait(page_in(host, slots, *zeros, targets))
+    k2, v2 = wait(page_in(host, slots, _zeros(k), _zeros(v), targets))
     assert k2.data.sharding.is_equivalent_to(k.data.sharding, k.ndim)
     assert k2.scale.sharding.memory_kind == "device"
     _assert_same(k2, _model(k, targets, host.k_pages, slots))
     _assert_same(v2, _model(v, targets, host.v_pages, slots))
+    if residuals is not None:  # the device pools' residual pages, untouched
+        for x, (res, filled) in zip((k2, v2), residuals, strict=True):
+            np.testing.assert_array_equal(np.asarray(x.residual), res)
+            np.testing.assert_array_equal(np.asarray(x.residual_len), filled)
     if k.ndim == 5:
         order = np.argsort(slots // (SLOTS // host.page_shards), kind="stable")
         handle = prefetch_layer(host, slots[order], layer=1)
@@ -136,25 +195,25 @@ def test_quantized_round_trip_every_layout(kind, name, axis_type):
         pk, pv = wait(handle)
         _assert_same(pk, _take(k, ids[order])[1])
         _assert_same(pv, _take(v, ids[order])[1])
+        assert pk.residual is None and pv.residual is None
         if LAYOUTS[name][1] is None:  # into: donated quantized staging buffers
             into = tuple(
-                paged.QuantizedPages(
-                    jnp.zeros(x.format.data_shape((K, ids.size, C, H)), x.dtype),
-                    jnp.zeros(x.format.scale_shape((K, ids.size, C, H)), x.scale.dtype),
-                    x.format,
+                _with_stored(
+                    x,
+                    [jnp.zeros((K, ids.size, *a.shape[3:]), a.dtype) for a in _stored(x)],
                 )
-                for x in (k, v)
+                for x in (host.k_pages, host.v_pages)
             )
             qk, qv = wait(prefetch_layer(host, slots, layer=0, into=into))
             _assert_same(qk, _take(k, ids)[0])
             _assert_same(qv, _take(v, ids)[0])
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4", "kivi2"])
 def test_fp8_and_int8_round_trip_bit_exact_with_nan_scales(kind):
     k, v = _qpools("stacked-single", kind, seed=1)
-    # A NaN scale (a token that held NaN) moves as it is.
-    k = paged.QuantizedPages(k.data, k.scale.at[0, 1, 3, 2].set(jnp.nan), k.format)
+    # A NaN scale (a token that held NaN; kivi2: a channel of a page) moves as it is.
+    k = dataclasses.replace(k, scale=k.scale.at[0, 1, 3, 2].set(jnp.nan))
     host = make_host_page_pool(k, v, 6)
     ids = np.array([3, 1, 7, 2])
     host = wait(page_out(k, v, ids, host, [0, 5, 2, 3]))
@@ -202,6 +261,8 @@ def test_bytes_shrink_in_proportion():
         ("stacked-pages", "int8"),
         ("stacked-pages", "int4"),
         ("layer-single", "int4"),
+        ("stacked-pages", "kivi2"),
+        ("layer-single", "kivi2"),
     ],
 )
 def test_manager_stats_and_disk_round_trip(tmp_path, name, kind):
@@ -232,6 +293,12 @@ def test_manager_stats_and_disk_round_trip(tmp_path, name, kind):
     entry = store.get("r")
     assert entry["k"].dtype == k.dtype and entry["k_scale"].dtype == k.format.scale_dtype
     assert entry["format"].tobytes().decode() == k.format.tag  # "int4-g4" for int4
+    if kind == "kivi2":  # zero-points beside the scales, each shaped by its grouping
+        keys = (*entry["k"].shape[:-2], H)  # [*L, K, n, H]: per channel of each page
+        assert entry["k_zero"].shape == entry["k_scale"].shape == keys
+        assert entry["v_zero"].shape == entry["v_scale"].shape == entry["v"].shape[:-1]
+    else:
+        assert "k_zero" not in entry and "v_zero" not in entry
     read = manager.restore("r")
     assert read == data_bytes
     assert manager.stats.tier_bytes("disk", request_id="r") == 0
@@ -239,15 +306,7 @@ def test_manager_stats_and_disk_round_trip(tmp_path, name, kind):
     new_slots = manager.host_slots("r")
     for a, b in zip(before, (manager.host_pool.k_pages, manager.host_pool.v_pages), strict=True):
         _assert_same(_take(b, new_slots), a)
-    zeros = [
-        paged.QuantizedPages(
-            jax.device_put(jnp.zeros_like(x.data), x.data.sharding),
-            jax.device_put(jnp.zeros_like(x.scale), x.scale.sharding),
-            x.format,
-        )
-        for x in (k, v)
-    ]
-    k2, v2 = manager.wait(manager.page_in(*zeros, ids, request_id="r"))
+    k2, v2 = manager.wait(manager.page_in(_zeros(k), _zeros(v), ids, request_id="r"))
     _assert_same(_take(k2, ids), _take(k, ids))
     _assert_same(_take(v2, ids), _take(v, ids))
     assert manager.stats.tier_bytes("host") == 0
@@ -257,13 +316,10 @@ def test_manager_stats_and_disk_round_trip(tmp_path, name, kind):
 
 
 def _take(pool, ids):
-    """numpy ``QuantizedPages`` of pages ``ids`` (page axis ``ndim - 3``)."""
+    """numpy ``QuantizedPages`` of pages ``ids`` (page axis ``ndim - 3``; no residual)."""
     axis = pool.ndim - 3
-    return paged.QuantizedPages(
-        np.take(np.asarray(pool.data), ids, axis),
-        np.take(np.asarray(pool.scale), ids, axis),
-        pool.format,
-    )
+    pool = dataclasses.replace(pool, residual=None, residual_len=None)
+    return _with_stored(pool, [np.take(np.asarray(x), ids, axis) for x in _stored(pool)])
 
 
 @pytest.mark.no_typecheck
