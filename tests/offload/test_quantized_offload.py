@@ -14,6 +14,7 @@ import paged
 from offload import (
     CorruptCacheError,
     DiskStore,
+    HostPagePool,
     OffloadManager,
     make_host_page_pool,
     mixed_residency_attention,
@@ -477,3 +478,180 @@ def test_mixed_residency_with_quantized_cold_pages_from_host(kind):
     assert np.all(np.isfinite(np.asarray(res.out)))
     assert_close(res.out, ref.out, dtype=jnp.float32, what="mixed vs full quantized pool")
     assert_close(res.lse, ref.lse, dtype=jnp.float32, what="lse")
+
+
+def test_kivi2_residual_stays_on_device_and_bytes_are_the_stored_leaves():
+    """page_out copies the stored leaves of any page id (open pages included) and leaves the
+    device pool alone; page_in / prefetch keep the device pool's residual pages bit for bit;
+    every byte count is exactly data + scales + zero-points of the pages moved."""
+    k, v = _qpools("stacked-single", "kivi2", seed=4)
+    residuals = [(np.asarray(x.residual), np.asarray(x.residual_len)) for x in (k, v)]
+    before = [[np.asarray(a) for a in _stored(x)] for x in (k, v)]
+    opens = [1 + b * KIVI_M + n // C for b, n in enumerate(KIVI_LENGTHS)]  # [5, 10, 15]
+    ids = np.array([opens[0], 2, opens[1], 7])
+    stored_bytes = sum(
+        np.take(np.asarray(a), ids, axis=2).nbytes for x in (k, v) for a in _stored(x)
+    )
+    # keys: data 8 B + scale and zero 2 * 8 H-channels * 2 B = 40 B per layer and kv head;
+    # values: 8 B + 2 * 4 tokens * 2 B = 24 B.
+    assert stored_bytes == ids.size * L * K * (40 + 24) == 1024
+    host = make_host_page_pool(k, v, 6)
+    handle = page_out(k, v, ids, host, [0, 1, 2, 3])
+    assert handle.nbytes == stored_bytes
+    host = wait(handle)
+    assert host.k_pages.residual is None and host.v_pages.residual is None
+    _assert_same(host.k_pages, _model(host.k_pages, [0, 1, 2, 3], k, ids))
+    _assert_same(host.v_pages, _model(host.v_pages, [0, 1, 2, 3], v, ids))
+    for x, (res, filled), leaves in zip((k, v), residuals, before, strict=True):  # only read
+        np.testing.assert_array_equal(np.asarray(x.residual), res)
+        np.testing.assert_array_equal(np.asarray(x.residual_len), filled)
+        for a, b in zip(_stored(x), leaves, strict=True):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+    pk, pv = wait(handle := prefetch_layer(host, [2, 0], layer=1))
+    assert handle.nbytes == stored_bytes // 2 // L
+    assert pk.residual is None and (pk.grouping, pv.grouping) == ("channel", "token")
+    _assert_same(pk, _take(k, ids[[2, 0]])[1])
+    # Into the device pool (donated), over other pages and over the open page of row 1.
+    targets = np.array([3, 8, opens[1], 12])
+    handle = page_in(host, [0, 1, 2, 3], k, v, targets)
+    assert handle.nbytes == stored_bytes
+    k2, v2 = wait(handle)
+    for x, y, (res, filled), leaves in zip((k2, v2), (k, v), residuals, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(x.residual), res)
+        np.testing.assert_array_equal(np.asarray(x.residual_len), filled)
+        model = [np.array(a) for a in leaves]
+        for m, a in zip(model, _stored(host.k_pages if y is k else host.v_pages), strict=True):
+            m[:, :, targets] = np.asarray(a)[:, :, :4]
+        for a, b in zip(_stored(x), model, strict=True):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+    # The manager counts the same bytes.
+    manager = OffloadManager(make_host_page_pool(k2, v2, 6))
+    manager.wait(manager.page_out(k2, v2, ids, request_id="r"))
+    assert manager.stats.tier_bytes("host", request_id="r") == stored_bytes
+    assert manager.stats.transfers("device_to_host").nbytes == stored_bytes
+
+
+@pytest.mark.no_typecheck
+def test_kivi2_pools_are_checked_leaf_by_leaf():
+    k, v = _qpools("stacked-single", "kivi2")
+    k8, v8 = _qpools("stacked-single", "int8")
+    with pytest.raises(ValueError, match=r"make_host_page_pool: .*one format, got 'kivi2'"):
+        make_host_page_pool(k, v8, 4)
+    bad = dataclasses.replace(k, zero=v.zero)  # per-token zero-points on a keys pool
+    with pytest.raises(ValueError, match=r"expected k\.zero bfloat16 \(2, 2, 16, 8\)"):
+        make_host_page_pool(bad, v, 4)
+    bad = dataclasses.replace(v, scale=v.scale.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"expected v\.scale bfloat16 \(2, 2, 16, 4\)"):
+        make_host_page_pool(k, bad, 4)
+    with pytest.raises(ValueError, match=r"expected k\.zero to be a jax\.Array"):
+        make_host_page_pool(dataclasses.replace(k, zero=None), v, 4)
+    host = make_host_page_pool(k, v, 4)
+    with_residual = HostPagePool(
+        dataclasses.replace(host.k_pages, residual=k.residual, residual_len=k.residual_len),
+        host.v_pages,
+    )
+    with pytest.raises(ValueError, match=r"page_out: host_pool: .*without residual pages"):
+        page_out(k, v, [1], with_residual, [0])
+    # Keys and values swapped in the host pool: each is consistent, but grouped otherwise.
+    swapped = HostPagePool(dataclasses.replace(host.v_pages, data=host.k_pages.data), host.v_pages)
+    with pytest.raises(
+        ValueError, match=r"page_out: host_pool: expected k pages grouped 'channel'"
+    ):
+        page_out(k, v, [1], swapped, [0])
+    with pytest.raises(
+        ValueError, match=r"prefetch_layer: into: expected a pair of device quantized kivi2"
+    ):
+        staging = _take(k, [1, 2])[0]  # numpy leaves
+        prefetch_layer(host, [0, 1], layer=0, into=(staging, staging))
+
+
+@pytest.mark.no_typecheck
+def test_kivi2_disk_entries_carry_zero_points_and_the_format(tmp_path):
+    store = DiskStore(tmp_path / "disk")
+    k, v = _qpools("stacked-single", "kivi2")
+    k8, v8 = _qpools("stacked-single", "int8")
+    kivi = OffloadManager(make_host_page_pool(k, v, 4), disk=store)
+    int8 = OffloadManager(make_host_page_pool(k8, v8, 4), disk=store)
+    for manager, (a, b), request in ((kivi, (k, v), "kivi"), (int8, (k8, v8), "q")):
+        manager.wait(manager.page_out(a, b, [1, 5], request_id=request))
+        manager.spill(request)
+    entry = store.get("kivi")
+    assert sorted(entry) == ["format", "k", "k_scale", "k_zero", "v", "v_scale", "v_zero"]
+    assert entry["format"].tobytes().decode() == "kivi2"
+    with pytest.raises(
+        CorruptCacheError, match=r"restore: .*quantized 'int8' pages.*got quantized 'kivi2'"
+    ):
+        int8.restore("kivi")
+    with pytest.raises(
+        CorruptCacheError, match=r"restore: .*quantized 'kivi2' pages.*got quantized 'int8'"
+    ):
+        kivi.restore("q")
+    store.put("no-zero", {n: a for n, a in entry.items() if n != "k_zero"})
+    with pytest.raises(CorruptCacheError, match=r"array 'k_zero' bfloat16 \(2, 2, 2, 8\)"):
+        kivi.restore("no-zero")
+    store.put("swapped", {**entry, "v_zero": entry["k_zero"]})
+    with pytest.raises(CorruptCacheError, match=r"array 'v_zero' bfloat16 \(2, 2, 2, 4\)"):
+        kivi.restore("swapped")
+    assert kivi.free_slots == int8.free_slots == 4  # nothing was written
+    kivi.restore("kivi")  # the entry is intact
+    k2, v2 = kivi.wait(kivi.page_in(_zeros(k), _zeros(v), [1, 5], request_id="kivi"))
+    _assert_same(_take(k2, [1, 5]), _take(k, [1, 5]))
+    _assert_same(_take(v2, [1, 5]), _take(v, [1, 5]))
+
+
+def test_mixed_residency_with_kivi2_cold_pages_from_host():
+    """A kivi2 device pool (with its residual pages) + cold pages paged in from the host (no
+    residual) equal paged_attention_reference over the full pool; NaN scales in unreadable
+    slots (demoted device pages, the staging pool's null page) have no effect."""
+    B, M, N, HD = 2, 4, 4, 16
+    P = 1 + B * M
+    fmt = FORMATS["kivi2"]
+    rng = np.random.default_rng(6)
+    table = jnp.asarray(1 + np.arange(B * M).reshape(B, M), jnp.int32)
+    lengths = jnp.asarray([14, 9], jnp.int32)
+    cache = paged.init_paged_cache(1, K, P, C, HD, batch=B, max_pages_per_seq=M, kv_format=fmt)
+    cache = paged.with_page_table(cache, table)
+    kv = [jnp.asarray(rng.standard_normal((1, B, M * C, K, HD)), jnp.float32) for _ in "kv"]
+    cache = paged.write(cache, *kv, 0, count=lengths)
+    full_k, full_v = cache.k_pages[0], cache.v_pages[0]
+    assert full_k.residual.shape == (K, B, C, HD)
+    # Each row's open page (slot lengths // C) stays on the device.
+    keep = np.array([[True, False, False, True], [False, True, True, False]])
+    demoted = np.asarray(table)[~keep]
+    host = wait(
+        page_out(full_k, full_v, demoted, make_host_page_pool(full_k, full_v, 8), [7, 0, 3, 5])
+    )
+    staging = [
+        dataclasses.replace(x, scale=jnp.full_like(x.scale, jnp.nan))  # unwritten: NaN scales
+        for x in (
+            paged.quantize_pages(jnp.zeros((K, 1 + demoted.size, C, HD)), fmt, role=role)
+            for role in ("keys", "values")
+        )
+    ]
+    cold_k, cold_v = wait(page_in(host, [7, 0, 3, 5], *staging, 1 + np.arange(demoted.size)))
+    assert cold_k.residual is None
+    cold_table = np.zeros((B, M), np.int32)
+    cold_table[~keep] = 1 + np.arange(demoted.size)
+    dev_k, dev_v = (  # demoted pages left the device: NaN scales there
+        dataclasses.replace(x, scale=x.scale.at[:, demoted].set(jnp.nan)) for x in (full_k, full_v)
+    )
+    q = jnp.asarray(rng.standard_normal((B, 1, N, HD)), jnp.float32)
+    res = mixed_residency_attention(
+        q,
+        dev_k,
+        dev_v,
+        jnp.where(jnp.asarray(keep), table, 0),
+        lengths,
+        cold_table=jnp.asarray(cold_table),
+        cold_k_pages=cold_k,
+        cold_v_pages=cold_v,
+    )
+    ref = paged.paged_attention_reference(q, full_k, full_v, table, lengths)
+    assert np.all(np.isfinite(np.asarray(res.out)))
+    assert_close(res.out, ref.out, dtype=jnp.float32, what="mixed vs full kivi2 pool")
+    assert_close(res.lse, ref.lse, dtype=jnp.float32, what="lse")
+    with pytest.raises(ValueError, match=r"cold_k_pages: expected grouping 'channel'"):
+        mixed_residency_attention(
+            q, dev_k, dev_v, table, lengths, cold_table=jnp.asarray(cold_table),
+            cold_k_pages=cold_v, cold_v_pages=cold_v,
+        )  # fmt: skip
