@@ -227,21 +227,26 @@ def test_fp8_and_int8_round_trip_bit_exact_with_nan_scales(kind):
 
 def test_bytes_shrink_in_proportion():
     """int8 / fp8 transfers carry (H + 4) / (2 H) of the bf16 bytes: 0.516 at H = 128; int4
-    (group 32, bfloat16 scales) (H / 2 + H / 16) / (2 H): 0.281."""
+    (group 32, bfloat16 scales) (H / 2 + H / 16) / (2 H): 0.281; kivi2 at C = 4 (keys H / 4 +
+    4 H / C, values H / 4 + 4: pages this small pay for their per-channel key statistics)."""
     shape, n = (2, 2, 8, 4, 128), 3
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     nbytes = {}
-    for label in ("float32", "bfloat16", "int8", "fp8", "int4"):
-        if label in ("int8", "fp8", "int4"):
-            pool = paged.quantize_pages(x, paged.KVFormat(label))
+    for label in ("float32", "bfloat16", "int8", "fp8", "int4", "kivi2"):
+        if label == "kivi2":
+            pool, vpool = (
+                paged.quantize_pages(x, paged.KVFormat(label), role=r) for r in ("keys", "values")
+            )
+        elif label in ("int8", "fp8", "int4"):
+            pool = vpool = paged.quantize_pages(x, paged.KVFormat(label))
         else:
-            pool = x.astype(label)
-        host = make_host_page_pool(pool, pool, 4)
-        handle = page_out(pool, pool, [1, 4, 6], host, [0, 1, 2])
+            pool = vpool = x.astype(label)
+        host = make_host_page_pool(pool, vpool, 4)
+        handle = page_out(pool, vpool, [1, 4, 6], host, [0, 1, 2])
         wait(handle)
-        manager = OffloadManager(make_host_page_pool(pool, pool, 4))
-        manager.wait(manager.page_out(pool, pool, [1, 4, 6], request_id="r"))
+        manager = OffloadManager(make_host_page_pool(pool, vpool, 4))
+        manager.wait(manager.page_out(pool, vpool, [1, 4, 6], request_id="r"))
         assert manager.stats.tier_bytes("host", request_id="r") == handle.nbytes
         nbytes[label] = handle.nbytes
     tokens = n * 2 * 2 * 4  # pages * layers * kv heads * C, for keys and again for values
@@ -252,6 +257,7 @@ def test_bytes_shrink_in_proportion():
     assert nbytes["int8"] / nbytes["float32"] == pytest.approx(132 / 512)  # 0.258
     assert nbytes["int4"] == 2 * tokens * (64 + 4 * 2) == 6912
     assert nbytes["int4"] / nbytes["bfloat16"] == 72 / 256 == 0.28125
+    assert nbytes["kivi2"] == tokens * ((32 + 4 * 128 // 4) + (32 + 4)) == 9408
 
 
 @pytest.mark.parametrize(
