@@ -38,9 +38,10 @@ class HostPagePool(NamedTuple):
 
     Attributes:
       k_pages: ``[L, K, P_host, C, H]`` (or ``[K, P_host, C, H]``) keys, ``pinned_host``; a
-        ``paged.QuantizedPages`` (data and scales both pinned host) mirroring a quantized
-        device pool.
-      v_pages: same shape, dtype, format and sharding as ``k_pages``.
+        ``paged.QuantizedPages`` (data and scales, kivi2 zero-points too, all pinned host; no
+        kivi2 residual) mirroring a quantized device pool.
+      v_pages: same shape, dtype, format and sharding as ``k_pages`` (kivi2: per-token
+        scales and zero-points ``[L, K, P_host, C]`` where the keys have ``[L, K, P_host, H]``).
     """
 
     k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages
@@ -394,9 +395,10 @@ def make_host_page_pool(
 
     Returns:
       A :class:`HostPagePool` with arrays ``[L, K, P_host, C, H]`` in pinned host memory; for
-      a quantized pool, ``QuantizedPages`` of the same format whose data ``[L, K, P_host, C,
-      H]`` and scales ``[L, K, P_host, C]`` are both pinned host (``page_nbytes`` counts
-      both).
+      a quantized pool, ``QuantizedPages`` of the same format (and kivi2 grouping) whose data
+      ``[L, K, P_host, C, H]`` and scales ``[L, K, P_host, C]`` (kivi2: and zero-points;
+      keys' ``[L, K, P_host, H]``) are all pinned host (``page_nbytes`` counts them all); a
+      kivi2 device pool's residual pages are not mirrored (they stay on the device).
 
     Raises:
       ValueError: on mismatched or non-device pools, a zero-sized axis, a ``num_slots`` that
