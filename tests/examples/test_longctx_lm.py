@@ -378,7 +378,14 @@ def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind
         np.testing.assert_array_equal(g, generate.generate_dense(model, p, 6, attend))
 
 
-@pytest.mark.parametrize(("policy", "mode"), [(None, None), ("snapkv", "drop"), ("h2o", "demote")])
+@pytest.mark.parametrize(
+    ("policy", "mode"),
+    [
+        (None, None),
+        ("snapkv", "drop"),
+        pytest.param("h2o", "demote", marks=pytest.mark.slow),  # ~45 s on 2 shared cores
+    ],
+)
 def test_generation_from_kivi2_pages_equals_dense_over_the_kivi2_kv(policy, mode):
     """kivi2 pages through the server (padded prefill chunks, per-query observation rows, the
     decode loop's appends, rows reused by a second call): greedy output equals dense
