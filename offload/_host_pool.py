@@ -8,12 +8,16 @@ way, ``D * S_d`` slots with ``S_d`` slots per device (*per-device slots*: a page
 between a device's own device pages and its own host slots, never across devices).
 
 A quantized device pool (``paged.QuantizedPages``) gets a quantized host pool: its ``data``
-and ``scale`` leaves both live in pinned host memory, each with the sharding of the device
-leaf it mirrors, and every transfer moves both leaves of the same pages together, as stored
-(no dequantization). Both leaves have their page axis at index ``pool.ndim - 3`` (``ndim``
-being the float pool's rank), so the copy kernels treat each leaf as a pool of its own.
+and ``scale`` leaves (and a kivi2 pool's ``zero`` leaf) all live in pinned host memory, each
+with the sharding of the device leaf it mirrors, and every transfer moves the leaves of the
+same pages together, as stored (no dequantization). Every leaf has its page axis at index
+``pool.ndim - 3`` (``ndim`` being the float pool's rank), so the copy kernels treat each leaf
+as a pool of its own. A kivi2 pool's residual pages (``residual``, ``residual_len``: one open
+page per sequence row, not per page) never move: a host pool has none, and a transfer into a
+device pool keeps that pool's residual as it is.
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -34,9 +38,10 @@ class HostPagePool(NamedTuple):
 
     Attributes:
       k_pages: ``[L, K, P_host, C, H]`` (or ``[K, P_host, C, H]``) keys, ``pinned_host``; a
-        ``paged.QuantizedPages`` (data and scales both pinned host) mirroring a quantized
-        device pool.
-      v_pages: same shape, dtype, format and sharding as ``k_pages``.
+        ``paged.QuantizedPages`` (data and scales, kivi2 zero-points too, all pinned host; no
+        kivi2 residual) mirroring a quantized device pool.
+      v_pages: same shape, dtype, format and sharding as ``k_pages`` (kivi2: per-token
+        scales and zero-points ``[L, K, P_host, C]`` where the keys have ``[L, K, P_host, H]``).
     """
 
     k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages
@@ -49,8 +54,9 @@ class HostPagePool(NamedTuple):
 
     @property
     def page_nbytes(self) -> int:
-        """Bytes of one page slot, keys and values over all layers (data and scales if quantized)."""
-        return 2 * self.k_pages.nbytes // self.num_slots
+        """Bytes of one page slot, keys and values over all layers (data, scales and kivi2
+        zero-points if quantized; a kivi2 pool's keys and values differ in scale shape)."""
+        return (self.k_pages.nbytes + self.v_pages.nbytes) // self.num_slots
 
     @property
     def page_shards(self) -> int:
@@ -59,17 +65,38 @@ class HostPagePool(NamedTuple):
 
 
 def leaves(pool) -> list:
-    """The arrays of a pool: ``[data, scale]`` for ``paged.QuantizedPages``, else ``[pool]``."""
-    return [pool.data, pool.scale] if isinstance(pool, QuantizedPages) else [pool]
+    """The stored page arrays of a pool: ``[data, scale]`` for ``paged.QuantizedPages``
+    (``[data, scale, zero]`` for kivi2; never the residual), else ``[pool]``."""
+    if isinstance(pool, QuantizedPages):
+        return [pool.data, pool.scale] + ([] if pool.zero is None else [pool.zero])
+    return [pool]
 
 
 def rebuild(like, arrays):
-    """A pool of ``like``'s kind (float or quantized, same format) from its leaf arrays."""
+    """A pool of ``like``'s kind (float or quantized, same format and grouping) from its leaf
+    arrays; a kivi2 ``like`` keeps its residual pages (``residual``, ``residual_len``)."""
     if isinstance(like, QuantizedPages):
-        data, scale = arrays
-        return QuantizedPages(data, scale, like.format)
+        data, scale, *rest = arrays
+        zero = rest[0] if rest else None
+        return dataclasses.replace(like, data=data, scale=scale, zero=zero)
     (array,) = arrays
     return array
+
+
+def without_residual(pool):
+    """``pool`` without a kivi2 residual (a host pool, or a selection of pages, has none)."""
+    if isinstance(pool, QuantizedPages) and pool.residual is not None:
+        return dataclasses.replace(pool, residual=None, residual_len=None)
+    return pool
+
+
+def stat_shape(kv_format, grouping: str, data_shape) -> tuple[int, ...]:
+    """The shape of the ``scale`` (and kivi2 ``zero``) leaf of a pool with ``data_shape``:
+    kivi2 keys (``grouping == "channel"``) ``[*lead, H]``, else ``format.scale_shape``."""
+    shape = kv_format.float_shape(tuple(data_shape))
+    if kv_format.kind == "kivi2" and grouping == "channel":
+        return (*shape[:-2], shape[-1])
+    return kv_format.scale_shape(shape)
 
 
 def main_leaf(pool) -> jax.Array:
@@ -124,18 +151,69 @@ def _check_arrays(fn: str, name: str, k, v, ranks: tuple[int, int], what: str) -
         )
 
 
-def _check_quantized(fn: str, name: str, k, v) -> None:
-    if k.format.kind == "kivi2":
-        raise NotImplementedError(
-            f"{fn}: {name}: kivi2 pools are not supported by offload yet (their residual "
-            f"pages are per sequence); int8 / fp8 pools are"
+def _check_beside(fn: str, name: str, what: str, leaf, data, axes: int) -> None:
+    """``leaf`` (scales, zero-points) is sharded like ``data`` over its first ``axes`` axes."""
+    axis = data.ndim - 3
+    if (
+        leaf.sharding.memory_kind != data.sharding.memory_kind
+        or page_shards(leaf, axis) != page_shards(data, axis)
+        or leaf.sharding.shard_shape(leaf.shape)[:axes]
+        != data.sharding.shard_shape(data.shape)[:axes]
+    ):
+        raise ValueError(
+            f"{fn}: {name}: expected {what} sharded like the data over "
+            f"{'[*L, K, P, C]' if axes == data.ndim - 1 else '[*L, K, P]'} (same memory kind, "
+            f"same page split), got {leaf.sharding} and {data.sharding}"
         )
+
+
+def _check_kivi2(fn: str, name: str, k, v) -> None:
+    """kivi2: data, scales and zero-points of each of ``k`` and ``v`` against its grouping."""
+    fmt = k.format
+    for part, x in (("k", k), ("v", v)):
+        if x.grouping not in ("channel", "token"):
+            raise ValueError(
+                f"{fn}: {name}: expected {part} grouped 'channel' (keys) or 'token' (values), "
+                f"got {x.grouping!r}"
+            )
+        if x.data.dtype != fmt.storage_dtype:
+            raise ValueError(
+                f"{fn}: {name}: expected {part}.data in {fmt.storage_dtype} for format 'kivi2', "
+                f"got {x.data.dtype}"
+            )
+        want = stat_shape(fmt, x.grouping, x.data.shape)
+        per = "[*L, K, P, H] (per channel)" if x.grouping == "channel" else "[*L, K, P, C]"
+        for leaf_name in ("scale", "zero"):
+            leaf = getattr(x, leaf_name)
+            if not isinstance(leaf, jax.Array):
+                raise ValueError(
+                    f"{fn}: {name}: expected {part}.{leaf_name} to be a jax.Array (kivi2 "
+                    f"{leaf_name}s {per}), got {type(leaf).__name__}"
+                )
+            if leaf.shape != want or leaf.dtype != fmt.scale_dtype:
+                raise ValueError(
+                    f"{fn}: {name}: expected {part}.{leaf_name} {fmt.scale_dtype} {want} (kivi2 "
+                    f"{per} of its data), got {leaf.shape} {leaf.dtype}"
+                )
+            _check_beside(fn, name, f"{part}.{leaf_name}", leaf, x.data, x.data.ndim - 2)
+
+
+def _check_quantized(fn: str, name: str, k, v) -> None:
     if k.format != v.format:
         raise ValueError(
             f"{fn}: {name}: expected k and v in one format, got {k.format.kind!r} and "
             f"{v.format.kind!r}"
         )
     _check_arrays(fn, name, k.data, v.data, (4, 5), ".data")
+    if k.format.kind == "kivi2":
+        _check_kivi2(fn, name, k, v)
+        return
+    for part, x in (("k", k), ("v", v)):
+        if x.zero is not None or x.residual is not None:
+            raise ValueError(
+                f"{fn}: {name}: expected {part} without zero-points or residual pages (only "
+                f"kivi2 has them), format {x.format.kind!r}"
+            )
     fmt = k.format
     grouped = len(fmt.scale_shape((1, 1))) == 2  # int4: scales [*L, K, P, C, H / g]
     _check_arrays(fn, name, k.scale, v.scale, (4, 5) if grouped else (3, 4), ".scale")
@@ -151,17 +229,7 @@ def _check_quantized(fn: str, name: str, k, v) -> None:
             f"{fn}: {name}: expected scales shaped {want} (data's [*L, K, P, C] "
             f"{'and H / group_size' if grouped else 'without H'}), got {scale.shape}"
         )
-    axis = data.ndim - 3
-    if (
-        scale.sharding.memory_kind != data.sharding.memory_kind
-        or page_shards(scale, axis) != page_shards(data, axis)
-        or scale.sharding.shard_shape(scale.shape)[: data.ndim - 1]
-        != data.sharding.shard_shape(data.shape)[:-1]
-    ):
-        raise ValueError(
-            f"{fn}: {name}: expected scales sharded like the data over [*L, K, P, C] (same "
-            f"memory kind, same page split), got {scale.sharding} and {data.sharding}"
-        )
+    _check_beside(fn, name, "scales", scale, data, data.ndim - 1)
 
 
 def check_pool(fn: str, name: str, k, v) -> None:
@@ -191,6 +259,13 @@ def check_host(fn: str, pool) -> None:
     if not isinstance(pool, HostPagePool):
         raise ValueError(f"{fn}: host_pool: expected a HostPagePool, got {type(pool).__name__}")
     check_pool(fn, "host_pool", pool.k_pages, pool.v_pages)
+    if getattr(pool.k_pages, "residual", None) is not None or (
+        getattr(pool.v_pages, "residual", None) is not None
+    ):
+        raise ValueError(
+            f"{fn}: host_pool: expected a host pool without residual pages (a kivi2 "
+            "residual stays on the device; build it with make_host_page_pool), got one"
+        )
     kinds = {leaf.sharding.memory_kind for leaf in leaves(pool.k_pages)}
     kind = kinds.pop() if len(kinds) == 1 else sorted(kinds)
     if kind != PINNED_HOST:
@@ -208,8 +283,9 @@ def check_device(fn: str, k, v) -> None:
         raise ValueError(f"{fn}: k_pages: expected arrays in device memory, got {kind!r}")
 
 
-def check_match(fn: str, host: HostPagePool, k) -> None:
-    """The host pool mirrors device pool ``k`` (any page count; per-device slots if split)."""
+def check_match(fn: str, host: HostPagePool, k, v=None) -> None:
+    """The host pool mirrors device pool ``k`` (and ``v``: a kivi2 grouping each) (any page
+    count; per-device slots if split)."""
     hk = host.k_pages
     if isinstance(hk, QuantizedPages) != isinstance(k, QuantizedPages):
         raise ValueError(
@@ -221,6 +297,14 @@ def check_match(fn: str, host: HostPagePool, k) -> None:
         raise ValueError(
             f"{fn}: host_pool: expected format {k.format.kind!r} (k_pages'), got {hk.format.kind!r}"
         )
+    if isinstance(hk, QuantizedPages):
+        pairs = [("k", hk, k)] + ([] if v is None else [("v", host.v_pages, v)])
+        for part, h, d in pairs:
+            if h.grouping != d.grouping:
+                raise ValueError(
+                    f"{fn}: host_pool: expected {part} pages grouped {d.grouping!r} like the "
+                    f"device's, got {h.grouping!r}"
+                )
     same_rest = hk.shape[:-3] == k.shape[:-3] and hk.shape[-2:] == k.shape[-2:]
     if hk.ndim != k.ndim or not same_rest or hk.dtype != k.dtype:
         raise ValueError(
@@ -269,25 +353,24 @@ def replicated(sharding, memory_kind: str):
 
 @functools.lru_cache(maxsize=64)
 def zeros_fn(shape, dtype, sharding):
-    """A jitted pair of zero arrays created directly in ``sharding`` (no device staging)."""
-    return jax.jit(
-        lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-        out_shardings=(sharding, sharding),
-    )
+    """A jitted zero array created directly in ``sharding`` (no device staging)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-def zeros_pools(like, num_slots: int, memory_kind: str):
-    """A zero ``(k, v)`` pair shaped like pool ``like`` with ``num_slots`` pages, each leaf with
-    its own sharding in ``memory_kind`` (created there directly)."""
-    axis = like.ndim - 3
-    ks, vs = [], []
-    for leaf in leaves(like):
-        shape = (*leaf.shape[:axis], num_slots, *leaf.shape[axis + 1 :])
-        sharding = as_named(leaf.sharding).with_memory_kind(memory_kind)
-        k, v = zeros_fn(shape, jnp.dtype(leaf.dtype), sharding)()
-        ks.append(k)
-        vs.append(v)
-    return rebuild(like, ks), rebuild(like, vs)
+def zeros_pools(like_k, like_v, num_slots: int, memory_kind: str):
+    """A zero ``(k, v)`` pair shaped like pools ``like_k``, ``like_v`` with ``num_slots`` pages,
+    each leaf with its own sharding in ``memory_kind`` (created there directly; no kivi2
+    residual)."""
+    out = []
+    for like in (like_k, like_v):
+        axis = like.ndim - 3
+        arrays = []
+        for leaf in leaves(like):
+            shape = (*leaf.shape[:axis], num_slots, *leaf.shape[axis + 1 :])
+            sharding = as_named(leaf.sharding).with_memory_kind(memory_kind)
+            arrays.append(zeros_fn(shape, jnp.dtype(leaf.dtype), sharding)())
+        out.append(rebuild(without_residual(like), arrays))
+    return tuple(out)
 
 
 def make_host_page_pool(
@@ -312,9 +395,10 @@ def make_host_page_pool(
 
     Returns:
       A :class:`HostPagePool` with arrays ``[L, K, P_host, C, H]`` in pinned host memory; for
-      a quantized pool, ``QuantizedPages`` of the same format whose data ``[L, K, P_host, C,
-      H]`` and scales ``[L, K, P_host, C]`` are both pinned host (``page_nbytes`` counts
-      both).
+      a quantized pool, ``QuantizedPages`` of the same format (and kivi2 grouping) whose data
+      ``[L, K, P_host, C, H]`` and scales ``[L, K, P_host, C]`` (kivi2: and zero-points;
+      keys' ``[L, K, P_host, H]``) are all pinned host (``page_nbytes`` counts them all); a
+      kivi2 device pool's residual pages are not mirrored (they stay on the device).
 
     Raises:
       ValueError: on mismatched or non-device pools, a zero-sized axis, a ``num_slots`` that
@@ -342,4 +426,4 @@ def make_host_page_pool(
             f"{fn}: k_pages: expected devices with {PINNED_HOST!r} memory for an "
             f"in-place host pool, got only {kind!r}"
         )
-    return HostPagePool(*zeros_pools(k_pages, num_slots, PINNED_HOST))
+    return HostPagePool(*zeros_pools(k_pages, v_pages, num_slots, PINNED_HOST))

@@ -16,7 +16,15 @@ from jaxtyping import Array, Shaped
 
 from offload._checks import IdList, check_ids
 from offload._disk import CorruptCacheError, DiskStore
-from offload._host_pool import HostPagePool, check_host, leaves, page_shards, rebuild, zeros_pools
+from offload._host_pool import (
+    HostPagePool,
+    check_host,
+    leaves,
+    page_shards,
+    rebuild,
+    stat_shape,
+    zeros_pools,
+)
 from offload._page_copy import copy_pages, gather_pages, scatter_pages
 from offload._stats import OffloadStats
 from offload._tiers import PINNED_HOST, TransferHandle, ready, wait
@@ -28,10 +36,13 @@ __all__ = ["OffloadManager"]
 # Disk entry arrays, in the leaf order of (k_pages, v_pages).
 _FLOAT_NAMES = ("k", "v")
 _QUANTIZED_NAMES = ("k", "k_scale", "v", "v_scale")
+_KIVI2_NAMES = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
 
 
 def _entry_names(pool) -> tuple[str, ...]:
-    return _QUANTIZED_NAMES if isinstance(pool, QuantizedPages) else _FLOAT_NAMES
+    if not isinstance(pool, QuantizedPages):
+        return _FLOAT_NAMES
+    return _KIVI2_NAMES if pool.zero is not None else _QUANTIZED_NAMES
 
 
 def _format_array(kv_format: KVFormat) -> np.ndarray:
@@ -60,9 +71,10 @@ class OffloadManager:
     request's pages ``n / D`` per device block in block order (as
     :func:`~offload.prefetch_layer`). On disk a request is one :class:`~offload.DiskStore`
     entry keyed by its request id (``k``, ``v``; for a quantized host pool ``k``,
-    ``k_scale``, ``v``, ``v_scale`` and ``format``, the format's name as ASCII bytes).
-    Quantized pools move as stored, data and scales together, and every byte count (stats,
-    handles) includes the scales. Device bytes belong to the caller's page allocator:
+    ``k_scale``, ``v``, ``v_scale`` and ``format``, the format's tag as ASCII bytes; kivi2
+    adds ``k_zero`` and ``v_zero``). Quantized pools move as stored, data and scales (and
+    kivi2 zero-points) together, and every byte count (stats, handles) includes them; a kivi2
+    pool's residual pages stay on the device. Device bytes belong to the caller's page allocator:
     register them with ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or
     frees pages.
 
@@ -353,7 +365,7 @@ class OffloadManager:
         else:
             k, v, _ = copy_pages(
                 (pool.k_pages, pool.v_pages),
-                zeros_pools(pool.k_pages, len(slots), PINNED_HOST),
+                zeros_pools(pool.k_pages, pool.v_pages, len(slots), PINNED_HOST),
                 ids,
                 np.arange(len(slots), dtype=np.int32),
             )
@@ -388,7 +400,7 @@ class OffloadManager:
         start = time.perf_counter()
         arrays = store.get(request_id)  # verified; raises before anything changes
         pool = self._host_pool
-        parts = self._check_entry(fn, request_id, arrays, pool.k_pages)
+        parts = self._check_entry(fn, request_id, arrays, pool.k_pages, pool.v_pages)
         k = parts[0]
         n = k.shape[-3]
         shards = page_shards(pool.k_pages)
@@ -441,8 +453,9 @@ class OffloadManager:
         return nbytes
 
     @staticmethod
-    def _check_entry(fn: str, request_id: str, arrays: dict, like) -> list[np.ndarray]:
-        """The entry's page arrays in leaf order, checked against host pool ``k_pages`` ``like``."""
+    def _check_entry(fn: str, request_id: str, arrays: dict, like, like_v) -> list[np.ndarray]:
+        """The entry's page arrays in leaf order, checked against host pools ``like`` (keys)
+        and ``like_v`` (values)."""
         stored = _format_kind(arrays.get("format"))
         want_kind = like.format.tag if isinstance(like, QuantizedPages) else None
         if stored != want_kind or (want_kind is None and "k_scale" in arrays):
@@ -457,15 +470,18 @@ class OffloadManager:
         data = like.data if isinstance(like, QuantizedPages) else like
         want = (*data.shape[:-3], data.shape[-2:])
         parts = []
+        stored_data = None  # the data array of the part (k or v) being read
         for name in _entry_names(like):
             x = arrays.get(name)
-            if name.endswith("_scale"):
+            if name.endswith(("_scale", "_zero")):
                 fmt = like.format
-                shape = fmt.scale_shape(fmt.float_shape(parts[-1].shape))
+                grouping = (like if name.startswith("k") else like_v).grouping
+                shape = stat_shape(fmt, grouping, stored_data.shape)
+                what = "scales" if name.endswith("_scale") else "zero-points"
                 if x is None or x.shape != shape or x.dtype != fmt.scale_dtype:
                     raise CorruptCacheError(
                         f"{fn}: request_id: expected disk entry {request_id!r} array {name!r} "
-                        f"{fmt.scale_dtype} {shape} (the scales of its data), got "
+                        f"{fmt.scale_dtype} {shape} (the {what} of its data), got "
                         f"{None if x is None else (x.shape, x.dtype)}"
                     )
             elif (
@@ -480,5 +496,7 @@ class OffloadManager:
                     f"like the host pool {data.shape} {data.dtype}, got "
                     f"{None if x is None else (x.shape, x.dtype)}"
                 )
+            else:
+                stored_data = x
             parts.append(x)
         return parts

@@ -132,7 +132,10 @@ def mixed_residency_attention(
       q: ``[B, T, N, H]`` queries (``T = 1`` for decode).
       k_pages: ``[K, P, C, H]`` device key pool of one layer (heads-major; page 0 = null): a
         float array or a ``paged.QuantizedPages`` (then the cold pools are quantized in the
-        same format; each part decodes per block inside ``paged.paged_attention``).
+        same format; each part decodes per block inside ``paged.paged_attention``). A kivi2
+        device pool carries its residual pages (each sequence's open page, one per row of
+        ``device_table``); kivi2 cold pools fetched from host carry none (every cold page is
+        read as stored), so each sequence's open page must stay on the device.
       v_pages: ``[K, P, C, H]`` device value pool.
       device_table: ``[B, M]`` int, device page per slot, 0 = not on the device.
       lengths: ``[B]`` int tokens per sequence (positions ``>= lengths`` are ignored).
@@ -222,7 +225,8 @@ def mixed_residency_attention(
         if cold_k_pages is None:
             cold_k_pages, cold_v_pages = k_pages, v_pages
         K, _, C = k_pages.shape[:3]
-        for name, pool in (("cold_k_pages", cold_k_pages), ("cold_v_pages", cold_v_pages)):
+        cold = (("cold_k_pages", cold_k_pages, k_pages), ("cold_v_pages", cold_v_pages, v_pages))
+        for name, pool, like in cold:
             if pool.ndim != 4 or (pool.shape[0], *pool.shape[2:]) != (K, C, H) or pool.shape[1] < 1:
                 raise ValueError(
                     f"{fn}: {name}: expected shape [K={K}, Pc >= 1, C={C}, H={H}], got "
@@ -231,6 +235,12 @@ def mixed_residency_attention(
             if _kind(pool) != _kind(k_pages):
                 raise ValueError(
                     f"{fn}: {name}: expected dtype {_kind(k_pages)}, got {_kind(pool)}"
+                )
+            if isinstance(pool, QuantizedPages) and pool.grouping != like.grouping:
+                # kivi2: keys per channel, values per token, in both tiers alike
+                raise ValueError(
+                    f"{fn}: {name}: expected grouping {like.grouping!r} (the device pool's), "
+                    f"got {pool.grouping!r}"
                 )
         if cold_v_pages.shape != cold_k_pages.shape:
             raise ValueError(

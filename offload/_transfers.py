@@ -34,13 +34,17 @@ that would cross devices is a ``ValueError``). :func:`prefetch_layer` of such a 
 ``n / D`` slots of each device block in block order and returns ``[K, n, C, H]`` split along
 ``n`` the same way (each device fetches its own pages); ``into`` is not supported there.
 
-Quantized pools (``paged.QuantizedPages``, int8, fp8 or int4) move as they are stored, in every
-layout above: each call copies the ``data`` and the ``scale`` pages of the same ids together
-(both leaves in place), the host pool is quantized in the same format (build it with
-:func:`~offload.make_host_page_pool` from the device pool), and ``nbytes`` counts data plus
-scales (``paged.KVFormat.bytes_per_token``: ``H + 4`` bytes per token per kv head for int8 /
-fp8, about half of bf16; ``H / 2 + 2 H / g`` for int4, about 0.28 of bf16). Float and
-quantized pools, or two formats, never mix (``ValueError``).
+Quantized pools (``paged.QuantizedPages``, int8, fp8, int4 or kivi2) move as they are stored,
+in every layout above: each call copies the ``data`` and the ``scale`` pages (kivi2: and the
+``zero`` pages) of the same ids together (every leaf in place), the host pool is quantized in
+the same format (build it with :func:`~offload.make_host_page_pool` from the device pool), and
+``nbytes`` counts data plus scales plus zero-points (``paged.KVFormat.bytes_per_token``:
+``H + 4`` bytes per token per kv head for int8 / fp8, about half of bf16; ``H / 2 + 2 H / g``
+for int4, about 0.28 of bf16; kivi2 keys ``H / 4 + 4 H / C``, values ``H / 4 + 4``). A kivi2
+pool's residual pages (each sequence's open page, float32, one per sequence row) stay on the
+device: the host pool has none, :func:`page_in` keeps the device pool's residual as it is, and
+a page out of any page id copies just its stored leaves. Float and quantized pools, or two
+formats, never mix (``ValueError``).
 """
 
 import jax
@@ -124,7 +128,7 @@ def page_out(
     fn = "page_out"
     check_device(fn, k_pages, v_pages)
     check_host(fn, host_pool)
-    check_match(fn, host_pool, k_pages)
+    check_match(fn, host_pool, k_pages, v_pages)
     src = check_ids(fn, "page_ids", page_ids, k_pages.shape[-3])
     dst = check_ids(fn, "host_slots", host_slots, host_pool.num_slots)
     _check_pairs(fn, src, dst, "host_slots", k_pages, host_pool.k_pages)
@@ -178,7 +182,7 @@ def page_in(
     fn = "page_in"
     check_host(fn, host_pool)
     check_device(fn, k_pages, v_pages)
-    check_match(fn, host_pool, k_pages)
+    check_match(fn, host_pool, k_pages, v_pages)
     src = check_ids(fn, "host_slots", host_slots, host_pool.num_slots)
     dst = check_ids(fn, "page_ids", page_ids, k_pages.shape[-3])
     _check_pairs(fn, src, dst, "page_ids", host_pool.k_pages, k_pages)
@@ -282,21 +286,29 @@ def prefetch_layer(
         want = (pool.shape[1], slots.size, *pool.shape[-2:])
         quantized = isinstance(pool, QuantizedPages)
 
-        def fits(x):
-            if quantized:
-                return (
-                    isinstance(x, QuantizedPages)
-                    and x.format == pool.format
-                    and isinstance(x.data, jax.Array)
-                    and isinstance(x.scale, jax.Array)
-                    and x.data.shape == pool.format.data_shape(want)
-                    and x.data.dtype == pool.dtype
-                    and x.scale.shape == pool.format.scale_shape(want)
-                    and x.scale.dtype == pool.scale.dtype
+        def fits(x, source):
+            if not quantized:
+                return isinstance(x, jax.Array) and x.shape == want and x.dtype == pool.dtype
+            # Each leaf: the host leaf's layer [K, P_host, ...] with n pages.
+            return (
+                isinstance(x, QuantizedPages)
+                and x.format == source.format
+                and x.grouping == source.grouping
+                and len(leaves(x)) == len(leaves(source))
+                and all(
+                    isinstance(a, jax.Array)
+                    and a.shape == (h.shape[1], slots.size, *h.shape[3:])
+                    and a.dtype == h.dtype
+                    for a, h in zip(leaves(x), leaves(source), strict=True)
                 )
-            return isinstance(x, jax.Array) and x.shape == want and x.dtype == pool.dtype
+            )
 
-        if not isinstance(into, tuple) or len(into) != 2 or not all(fits(x) for x in into):
+        pair = (host_pool.k_pages, host_pool.v_pages)
+        if (
+            not isinstance(into, tuple)
+            or len(into) != 2
+            or not all(fits(x, h) for x, h in zip(into, pair, strict=True))
+        ):
             got = [describe_pool(x) for x in into] if isinstance(into, tuple) else repr(into)
             kind = f"quantized {pool.format.kind} pools" if quantized else "arrays"
             raise ValueError(
@@ -313,7 +325,7 @@ def prefetch_layer(
             array, marker = fetch(leaf, np.int32(layer), slots, *extra)
             arrays.append(array)
             markers.append(marker)
-        out.append(rebuild(source, arrays))
+        out.append(rebuild(source if into is None else into[part], arrays))
     nbytes = slots.size * host_pool.page_nbytes // num_layers
     return TransferHandle(
         tuple(out), "host_to_device", nbytes, request_id=request_id, done=tuple(markers)

@@ -428,7 +428,7 @@ class Server:
         out = self.offload.page_out(cache.k_pages, cache.v_pages, ids, request_id=rid)
         self.offload.wait(out)
         n_cold = 16 * -(-(ids.size + 1) // 16)  # bucketed: fewer decode compiles
-        cold_k, cold_v = (_empty_pool(cache.k_pages, n_cold) for _ in range(2))
+        cold_k, cold_v = (_empty_pool(pool, n_cold) for pool in (cache.k_pages, cache.v_pages))
         back = self.offload.page_in(cold_k, cold_v, np.arange(1, ids.size + 1), request_id=rid)
         cold_k, cold_v = self.offload.wait(back)
         cold_table = np.zeros_like(table)
@@ -441,17 +441,23 @@ class Server:
 
 
 def _empty_pool(pool, num_pages: int):
-    """A zero pool like ``pool`` (float or ``paged.QuantizedPages``) with ``num_pages`` pages."""
+    """A zero pool like ``pool`` (float or ``paged.QuantizedPages``) with ``num_pages`` pages
+    (kivi2: the same grouping, keys per channel or values per token, and no residual)."""
     shape = (*pool.shape[:2], num_pages, *pool.shape[3:])
     if isinstance(pool, paged.QuantizedPages):
-        return paged.quantize_pages(jnp.zeros(shape, jnp.float32), pool.format)
+        role = None
+        if pool.format.kind == "kivi2":
+            role = "keys" if pool.grouping == "channel" else "values"
+        return paged.quantize_pages(jnp.zeros(shape, jnp.float32), pool.format, role=role)
     return jnp.zeros(shape, pool.dtype)
 
 
 def _scrub(pool, ids):
-    """``pool`` with pages ``ids`` overwritten by NaN (a quantized pool: its scales)."""
+    """``pool`` with pages ``ids`` overwritten by NaN (a quantized pool: its scales, and a
+    kivi2 pool's zero-points; its residual pages are per sequence and stay)."""
     if isinstance(pool, paged.QuantizedPages):
-        return dataclasses.replace(pool, scale=pool.scale.at[:, :, ids].set(jnp.nan))
+        zero = None if pool.zero is None else pool.zero.at[:, :, ids].set(jnp.nan)
+        return dataclasses.replace(pool, scale=pool.scale.at[:, :, ids].set(jnp.nan), zero=zero)
     return pool.at[:, :, ids].set(jnp.nan)
 
 

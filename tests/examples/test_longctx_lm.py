@@ -378,13 +378,23 @@ def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind
         np.testing.assert_array_equal(g, generate.generate_dense(model, p, 6, attend))
 
 
-@pytest.mark.parametrize("policy", [None, "snapkv"])
-def test_generation_from_kivi2_pages_equals_dense_over_the_kivi2_kv(policy):
+@pytest.mark.parametrize(
+    ("policy", "mode"),
+    [
+        (None, None),
+        ("snapkv", "drop"),
+        pytest.param("h2o", "demote", marks=pytest.mark.slow),  # ~45 s on 2 shared cores
+    ],
+)
+def test_generation_from_kivi2_pages_equals_dense_over_the_kivi2_kv(policy, mode):
     """kivi2 pages through the server (padded prefill chunks, per-query observation rows, the
     decode loop's appends, rows reused by a second call): greedy output equals dense
     recomputation whose K/V at each step hold every page wholly below the current length
     2-bit (keys per channel over the page, values per token) and the open page exact. One
-    layer, so every position's K/V do not depend on when earlier keys were stored."""
+    layer, so every position's K/V do not depend on when earlier keys were stored. Demote:
+    80% of the pages go to host as stored (data, scales, zero-points), their device copies
+    are scrubbed with NaN, and the decode reads them from the fetched cold pool (no
+    residual there: each row's open page stays on the device, with its residual)."""
     import dataclasses
 
     import offload
@@ -413,11 +423,31 @@ def test_generation_from_kivi2_pages_equals_dense_over_the_kivi2_kv(policy):
         return ringattn.attention_reference(q, k, v, causal=True, positions=pos).out
 
     retention = None
-    if policy is not None:  # budget 1: nothing dropped, but the last queries are observed one
+    if mode == "drop":  # budget 1: nothing dropped, but the last queries are observed one
         # query per row (ragged attention over paged.select_rows views of the residual)
         rule = offload.RetentionPolicy(policy, 1.0, page_size=C, sink=1, recent=1)
         retention = generate.Retention(rule, mode="drop", window=4)
+    elif mode == "demote":
+        rule = offload.RetentionPolicy(policy, 0.2, page_size=C, sink=1, recent=1)
+        retention = generate.Retention(rule, mode="demote", window=4, scrub=True)
     for call in range(2):  # the second call reuses rows whose residual pages are stale
-        got = server.generate(prompts[::-1] if call else prompts, 5, retention=retention)
+        # Demote scrubs the device copies of the demoted pages: the second call must not
+        # reuse them as a cached prefix (a salt), as a server would page them in first.
+        salt = f"call-{call}" if mode == "demote" else None
+        got = server.generate(prompts[::-1] if call else prompts, 5, retention=retention, salt=salt)
+        if mode == "demote":
+            info = server.last_info
+            assert info.kept_pages.sum() <= 0.3 * info.prompt_pages.sum()
+            host = server.offload.host_pool
+            assert host.k_pages.format == fmt and host.k_pages.residual is None
+            assert (host.k_pages.grouping, host.v_pages.grouping) == ("channel", "token")
+            # Bytes moved (out and back): exactly the stored leaves of the demoted pages.
+            moved = int((info.prompt_pages - info.kept_pages).sum())
+            assert info.moved_bytes == 2 * moved * host.page_nbytes
+            assert host.page_nbytes == sum(
+                a.nbytes // a.shape[2]
+                for x in (server.cache.k_pages, server.cache.v_pages)
+                for a in (x.data, x.scale, x.zero)
+            )
         for p, g in zip(prompts[::-1] if call else prompts, got, strict=True):
             np.testing.assert_array_equal(g, generate.generate_dense(model, p, 5, attend))

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import offload
 import paged
 from paged import (
     CopyPlan,
@@ -372,8 +371,6 @@ def test_errors_name_the_argument():
         paged_attention(
             q, cache.k_pages[0], cache.v_pages[0], cache.page_table[:2], cache.lengths[:2]
         )
-    with pytest.raises(NotImplementedError, match="kivi2 pools are not supported by offload"):
-        offload.make_host_page_pool(cache.k_pages, cache.v_pages, 4)
 
 
 # --- padded chunks, re-seating rows, select_rows ------------------------------------------
