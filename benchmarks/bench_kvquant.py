@@ -523,8 +523,9 @@ def error_sections(cases, results) -> list[str]:
         "",
         "rel = `||x - x'|| / ||x||` over the whole tensor; in bound: every element within the "
         "bound documented in `paged/_quantized.py` (int8 `absmax / 254`, fp8 `|x| / 16 + "
-        "absmax / 448 * 2**-10`, int4 `group_absmax / 14 * (1 + 2**-8)`; `-`: no bound "
-        "documented).",
+        "absmax / 448 * 2**-10`, int4 `group_absmax / 14 * (1 + 2**-8)`; kivi2, in "
+        "`paged/_kivi.py`, `(max - min) / 6 + (|min| + |max|) * 2**-8` per key channel over "
+        "a page / per value token, the residual page exact; `-`: no bound documented).",
         "",
     ]
     for case in cases:
