@@ -24,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ModelConfig(width=32, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, mlp_width=64)
 
 
+@pytest.mark.slow  # ~40 s (the strategies' equality is also tested in tests/ringattn)
 def test_bench_train_strategies_agree_with_the_one_device_step():
     errors = bench_train.check_agreement(
         context=128, batch=2, model_cfg=TINY, block_sizes=BlockSizes(block_q=16, block_kv=16)

@@ -294,6 +294,7 @@ def test_generation_with_dropped_pages_equals_dense_with_those_keys_masked(kind)
         assert (table[b, live:] == 0).all() or (np.asarray(view.prompt_mass[b, :, live:]) == 0).all()  # fmt: skip
 
 
+@pytest.mark.slow  # ~40 s; int8 + demote above takes the same path in the default run
 def test_generation_with_80_percent_of_pages_demoted_to_host_is_exact():
     """Demote mode: 80% of the prompt pages go to pinned host memory, their device copies are
     overwritten with NaN, and the decode reads them from the fetched cold pool: greedy output
@@ -340,7 +341,14 @@ def test_retention_rejects_bad_options():
         )
 
 
-@pytest.mark.parametrize(("kind", "demote"), [("int8", False), ("fp8", False), ("int8", True)])
+@pytest.mark.parametrize(
+    ("kind", "demote"),
+    [
+        pytest.param("int8", False, marks=pytest.mark.slow),  # int8 + demote covers it
+        pytest.param("fp8", False, marks=pytest.mark.slow),
+        ("int8", True),
+    ],
+)
 def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind, demote):
     """Pages in a paged.KVFormat: greedy output equals dense recomputation whose K/V pass
     through the same per-token quantization (quantize -> dequantize) at every layer; also with
@@ -381,9 +389,11 @@ def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind
 @pytest.mark.parametrize(
     ("policy", "mode"),
     [
-        (None, None),
-        ("snapkv", "drop"),
-        pytest.param("h2o", "demote", marks=pytest.mark.slow),  # ~45 s on 2 shared cores
+        # Each case takes 40-55 s on 2 shared cores: all run with the slow tests (CI runs
+        # them); the library paths they use are covered by tests/paged/test_kivi.py.
+        pytest.param(None, None, marks=pytest.mark.slow),
+        pytest.param("snapkv", "drop", marks=pytest.mark.slow),
+        pytest.param("h2o", "demote", marks=pytest.mark.slow),
     ],
 )
 def test_generation_from_kivi2_pages_equals_dense_over_the_kivi2_kv(policy, mode):

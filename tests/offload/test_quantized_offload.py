@@ -138,7 +138,13 @@ FP8_CASES = [
     [pytest.param("int8", *c.values, id=f"int8-{c.id}") for c in CASES]
     + FP8_CASES
     + [
-        pytest.param(kind, *c.values, id=f"{kind}-{c.id}")
+        # int4 and kivi2 in one layout each by default; every other layout with the slow tests
+        pytest.param(
+            kind,
+            *c.values,
+            id=f"{kind}-{c.id}",
+            marks=() if c.values[0] == "layer-single" else pytest.mark.slow,
+        )
         for kind in ("int4", "kivi2")
         for c in CASES
         if c.values[1] == AxisType.Auto or c.values[0] == "stacked-heads-pages"
@@ -266,9 +272,9 @@ def test_bytes_shrink_in_proportion():
         ("stacked-single", "int8"),
         ("layer-heads", "fp8"),
         ("stacked-pages", "int8"),
-        ("stacked-pages", "int4"),
+        pytest.param("stacked-pages", "int4", marks=pytest.mark.slow),
         ("layer-single", "int4"),
-        ("stacked-pages", "kivi2"),
+        pytest.param("stacked-pages", "kivi2", marks=pytest.mark.slow),
         ("layer-single", "kivi2"),
     ],
 )
@@ -605,6 +611,7 @@ def test_kivi2_disk_entries_carry_zero_points_and_the_format(tmp_path):
     _assert_same(_take(v2, [1, 5]), _take(v, [1, 5]))
 
 
+@pytest.mark.slow  # ~16 s; the int8 / fp8 / int4 mixed-residency cases run by default
 def test_mixed_residency_with_kivi2_cold_pages_from_host():
     """A kivi2 device pool (with its residual pages) + cold pages paged in from the host (no
     residual) equal paged_attention_reference over the full pool; NaN scales in unreadable

@@ -155,7 +155,16 @@ def test_residual_is_exact_and_full_pages_are_stored_whole():
             np.testing.assert_array_equal(got[:, :8], want)
 
 
-@pytest.mark.parametrize("chunks", [[13], [1] * 13, [3, 1, 5, 4], [4, 4, 4, 1], [2, 11]])
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [13],
+        [1] * 13,
+        [3, 1, 5, 4],
+        pytest.param([4, 4, 4, 1], marks=pytest.mark.slow),
+        pytest.param([2, 11], marks=pytest.mark.slow),
+    ],
+)
 def test_any_chunking_of_appends_gives_the_same_cache(chunks):
     base = _cache()
     L, K, P, C, H = base.k_pages.shape
@@ -477,7 +486,7 @@ def test_select_rows_lets_any_table_order_read_the_residual():
     [
         (2, jax.sharding.AxisType.Explicit),
         pytest.param(2, jax.sharding.AxisType.Auto, marks=pytest.mark.slow),
-        (4, jax.sharding.AxisType.Auto),
+        pytest.param(4, jax.sharding.AxisType.Auto, marks=pytest.mark.slow),
         pytest.param(4, jax.sharding.AxisType.Explicit, marks=pytest.mark.slow),
     ],
 )

@@ -245,7 +245,7 @@ def _finite_lse(lse):
 
 # The heaviest cases (segments, per-head windows on Explicit axes, bf16, a batch axis) run
 # with the slow tests (CI runs both); the rest cover every layout and both formats.
-_SLOW_CASES = (1, 3, 6, 7)
+_SLOW_CASES = (1, 3, 4, 6, 7)
 
 
 @pytest.mark.parametrize(
