@@ -93,10 +93,7 @@ def without_residual(pool):
 def stat_shape(kv_format, grouping: str, data_shape) -> tuple[int, ...]:
     """The shape of the ``scale`` (and kivi2 ``zero``) leaf of a pool with ``data_shape``:
     kivi2 keys (``grouping == "channel"``) ``[*lead, H]``, else ``format.scale_shape``."""
-    shape = kv_format.float_shape(tuple(data_shape))
-    if kv_format.kind == "kivi2" and grouping == "channel":
-        return (*shape[:-2], shape[-1])
-    return kv_format.scale_shape(shape)
+    return kv_format.scale_shape(kv_format.float_shape(tuple(data_shape)), grouping)
 
 
 def main_leaf(pool) -> jax.Array:

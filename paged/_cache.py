@@ -157,7 +157,7 @@ def init_paged_cache(
             raise ValueError(f"{fn}: head_dim: kivi2 packs 4 codes a byte: H % 4 == 0, got {H}")
 
         def pool(grouping):
-            stats = (L, K, P, H) if grouping == "channel" else (L, K, P, C)
+            stats = kv_format.scale_shape((L, K, P, C, H), grouping)
             return QuantizedPages(
                 jnp.zeros((L, K, P, C, H // 4), jnp.uint8),
                 jnp.zeros(stats, jnp.bfloat16),

@@ -122,7 +122,7 @@ def _check_kivi(fn: str, name: str, pages) -> None:
             f"{fn}: {name}.grouping: expected 'channel' (keys) or 'token' (values), got "
             f"{grouping!r}"
         )
-    want = (*shape[:-2], shape[-1]) if grouping == "channel" else shape[:-1]
+    want = pages.format.scale_shape(shape, grouping)
     for part in ("scale", "zero"):
         x = getattr(pages, part)
         if not hasattr(x, "shape") or tuple(x.shape) != want or x.dtype != jnp.bfloat16:

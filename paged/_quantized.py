@@ -101,7 +101,7 @@ class _PerTokenCodec:
     def data_shape(self, shape, group_size):
         return tuple(shape)
 
-    def scale_shape(self, shape, group_size):
+    def scale_shape(self, shape, group_size, grouping="token"):
         return tuple(shape[:-1])
 
     def float_shape(self, data_shape, group_size):
@@ -135,7 +135,7 @@ class _Int4Codec:
     def data_shape(self, shape, group_size):
         return (*shape[:-1], shape[-1] // 2)
 
-    def scale_shape(self, shape, group_size):
+    def scale_shape(self, shape, group_size, grouping="token"):
         return (*shape[:-1], shape[-1] // group_size)
 
     def float_shape(self, data_shape, group_size):
@@ -293,9 +293,11 @@ class KVFormat:
         """The shape of ``data`` for a float pool of ``shape`` ``[..., C, H]``."""
         return self._codec.data_shape(tuple(shape), self.group_size)
 
-    def scale_shape(self, shape) -> tuple[int, ...]:
-        """The shape of ``scale`` for a float pool of ``shape``: ``[..., C]`` or ``[..., C, H/g]``."""
-        return self._codec.scale_shape(tuple(shape), self.group_size)
+    def scale_shape(self, shape, grouping: str = "token") -> tuple[int, ...]:
+        """The shape of ``scale`` (and kivi2's ``zero``) for a float pool of ``shape``:
+        ``[..., C]``, ``[..., C, H/g]`` (int4), or ``[..., P, H]`` for kivi2 keys
+        (``grouping="channel"``)."""
+        return self._codec.scale_shape(tuple(shape), self.group_size, grouping)
 
     def float_shape(self, data_shape) -> tuple[int, ...]:
         """The float pool's shape ``[..., C, H]`` from the shape of ``data``."""
