@@ -184,11 +184,14 @@ FORMAT_CELLS = (("h2o", 1.0), ("h2o", 0.2), ("h2o", 0.5), ("snapkv", 0.2), ("sna
 
 
 def _kv_format(name: str, head_dim: int):
-    """``paged.KVFormat(name)``; int4 takes groups of ``min(32, H)`` (the model's H is 16)."""
+    """``paged.KVFormat(name)``; int4 takes groups of ``min(32, H)`` (the model's H is 16);
+    ``kivi2-rR`` is kivi2 with a full-precision window of ``R`` tokens (``residual=R``)."""
     import paged
 
     if name == "int4":
         return paged.KVFormat(name, group_size=min(32, head_dim))
+    if name.startswith("kivi2-r"):
+        return paged.KVFormat("kivi2", residual=int(name[len("kivi2-r") :]))
     return paged.KVFormat(name)
 
 
@@ -230,8 +233,9 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=16, help="samples per cell")
     parser.add_argument("--checkpoint", default="examples/longctx_lm/checkpoint")
     parser.add_argument(
-        "--formats", default="int8,fp8,int4,kivi2",
-        help="quantized KV formats to add (comma-separated paged.KVFormat kinds; '' for none)",
+        "--formats", default="int8,fp8,int4,kivi2,kivi2-r32,kivi2-r128",
+        help="quantized KV formats to add (comma-separated paged.KVFormat kinds, kivi2-rR for "
+        "a kivi2 window of R tokens; '' for none)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     run = _common.start_run("bench_quality", args, cpu_devices=1, argv=argv)

@@ -133,9 +133,10 @@ def mixed_residency_attention(
       k_pages: ``[K, P, C, H]`` device key pool of one layer (heads-major; page 0 = null): a
         float array or a ``paged.QuantizedPages`` (then the cold pools are quantized in the
         same format; each part decodes per block inside ``paged.paged_attention``). A kivi2
-        device pool carries its residual pages (each sequence's open page, one per row of
-        ``device_table``); kivi2 cold pools fetched from host carry none (every cold page is
-        read as stored), so each sequence's open page must stay on the device.
+        device pool carries its residual window (each sequence's most recent pages, one per
+        row of ``device_table``); kivi2 cold pools fetched from host carry none (every cold
+        page is read as stored), so each sequence's open page must stay on the device, and
+        window pages read exactly only while they are on it.
       v_pages: ``[K, P, C, H]`` device value pool.
       device_table: ``[B, M]`` int, device page per slot, 0 = not on the device.
       lengths: ``[B]`` int tokens per sequence (positions ``>= lengths`` are ignored).

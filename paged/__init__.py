@@ -40,9 +40,10 @@ group_size=32)`` packs two symmetric 4-bit levels (-7..7) per byte, ``data [L, K
 ``QuantizedPages.shape`` is always the float pool's. Writes quantize, the attention functions
 decode one page block at a time in float32, :func:`gather_kv` decodes. :func:`quantize_pages`
 turns a float pool into one. ``KVFormat("kivi2")`` (KIVI-style 2-bit: keys per channel over a
-page, values per token, bfloat16 scale and zero-point) keeps each sequence's open page in a
-float32 residual page (``QuantizedPages.residual [L, K, B, C, H]``, ``residual_len [L, K, B]``)
-and stores a page whole when it fills; :func:`select_rows` narrows the residual for a table
+page, values per token, bfloat16 scale and zero-point) keeps each sequence's most recent
+tokens in a float32 window (``KVFormat("kivi2", residual=R)``: the open page and the
+``ceil(R / C)`` pages before it, ``QuantizedPages.residual [L, K, B, W * C, H]``,
+``residual_len [L, K, B]``) and stores a page whole when it fills; :func:`select_rows` narrows the residual for a table
 whose rows are another order of the cache's.
 
 Page 0 is our reserved null page; JAX's and vLLM's page tables use page 0 as an ordinary

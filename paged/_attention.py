@@ -156,7 +156,7 @@ def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, *, opt
 
 def sequence_view(pool, b):
     """``pool`` as sequence ``b`` reads it: a kivi2 pool's residual narrowed to row ``b``
-    (``[K, B, C, H] -> [K, C, H]``, its written length ``[K, B] -> []``); any other pool as
+    (``[K, B, W * C, H] -> [K, W * C, H]``, its written length ``[K, B] -> []``); any other pool as
     it is."""
     if getattr(pool, "residual", None) is None:
         return pool

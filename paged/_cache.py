@@ -163,7 +163,7 @@ def init_paged_cache(
                 jnp.zeros(stats, jnp.bfloat16),
                 kv_format,
                 zero=jnp.zeros(stats, jnp.bfloat16),
-                residual=jnp.zeros((L, K, B, C, H), jnp.float32),
+                residual=jnp.zeros((L, K, B, kv_format.residual_pages(C) * C, H), jnp.float32),
                 residual_len=jnp.zeros((L, K, B), jnp.int32),
                 grouping=grouping,
             )
@@ -477,14 +477,12 @@ def _gather_kv_impl(cache, layer):
         x = take_decoded(pool[layer], (slice(None), ids))  # [K, B, M, C, H]
         x = x.transpose(1, 2, 3, 0, 4).reshape(B, M * C, K, H)
         residual = getattr(pool, "residual", None)
-        if residual is not None:  # kivi2: each sequence's open page from its residual
-            res = residual[layer].transpose(1, 2, 0, 3)  # [B, C, K, H]
+        if residual is not None:  # kivi2: each sequence's recent pages from its window
+            res = residual[layer].transpose(1, 2, 0, 3)  # [B, W * C, K, H]
             filled = pool.residual_len[layer, 0]  # [B] tokens written to the layer
-            base = (filled // C) * C
-            in_tail = (pos[None] >= base[:, None]) & (pos[None] < filled[:, None])
-            idx = jnp.clip(pos[None] - base[:, None], 0, C - 1)
+            inside, idx = _kivi.window_slot(pos[None], filled[:, None], C, res.shape[1] // C)
             tail = jnp.take_along_axis(res, idx[:, :, None, None], axis=1)
-            x = jnp.where(in_tail[:, :, None, None], tail, x)
+            x = jnp.where(inside[:, :, None, None], tail, x)
         return jnp.where(ok[:, :, None, None], x, jnp.zeros((), x.dtype))
 
     return one(cache.k_pages), one(cache.v_pages)
@@ -501,11 +499,12 @@ def with_page_table(
     they are; the pools are untouched. Jittable as it is (``jax.jit(with_page_table)``).
     Only shapes are checked; :func:`paged.validate` checks the ids eagerly.
 
-    A kivi2 cache given ``lengths`` also re-seats each row's residual page (the tokens of a
-    row's open page, in full precision): a row whose open page stays keeps its residual, cut
-    at the new length; any other row (a new sequence, a prefix hit, a truncation) takes it
-    from the page stored at its new open page. Page-aligned lengths (the allocator's prefix
-    hits) need nothing stored.
+    A kivi2 cache given ``lengths`` also re-seats each row's residual window (its most recent
+    pages in full precision, see :mod:`paged._kivi`): a window page that the row still holds
+    at the same index on the same page id keeps its exact tokens, cut at the new length; any
+    other window page (a new sequence, a prefix hit, a truncation into older pages) is taken
+    from the decoded page stored there (lossy: the window is refilled as tokens arrive). A
+    page-aligned length with ``residual=0`` (the allocator's prefix hits) needs nothing stored.
 
     Args:
       cache: the cache.
@@ -544,17 +543,19 @@ def with_page_table(
         raise ValueError(
             f"{fn}: lengths: expected shape {tuple(cache.lengths.shape)}, got {describe(lengths)}"
         )
+    old_table = cache.page_table
     cache = cache._replace(
         page_table=jnp.asarray(page_table, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32)
     )
     if given and _is_kivi(cache):
-        cache = _reseat(cache)
+        cache = _reseat(cache, old_table)
     return cache
 
 
 @jax.jit
-def _reseat(cache):
+def _reseat(cache, old_table):
+    table, lengths = cache.page_table, cache.lengths
     return cache._replace(
-        k_pages=_kivi.reseat(cache.k_pages, cache.page_table, cache.lengths),
-        v_pages=_kivi.reseat(cache.v_pages, cache.page_table, cache.lengths),
+        k_pages=_kivi.reseat(cache.k_pages, old_table, table, lengths),
+        v_pages=_kivi.reseat(cache.v_pages, old_table, table, lengths),
     )

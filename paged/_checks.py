@@ -134,12 +134,15 @@ def _check_kivi(fn: str, name: str, pages) -> None:
     if (res is None) != (pages.residual_len is None):
         raise ValueError(f"{fn}: {name}: expected residual and residual_len both set or both None")
     if res is not None:
+        window = pages.format.residual_pages(shape[-2]) * shape[-2]  # W * C
         ok = hasattr(res, "shape") and res.ndim == data.ndim
-        ok = ok and tuple(res.shape[:-3]) == shape[:-3] and tuple(res.shape[-2:]) == shape[-2:]
+        ok = ok and tuple(res.shape[:-3]) == shape[:-3]
+        ok = ok and tuple(res.shape[-2:]) == (window, shape[-1])
         if not ok or res.dtype != jnp.float32:
             raise ValueError(
                 f"{fn}: {name}.residual: expected float32 [{', '.join(map(str, shape[:-3]))}"
-                f"{', ' if shape[:-3] else ''}B, {shape[-2]}, {shape[-1]}], got {describe(res)}"
+                f"{', ' if shape[:-3] else ''}B, {window}, {shape[-1]}] (W * C = {window}: "
+                f"{pages.format}), got {describe(res)}"
             )
         filled = pages.residual_len
         if tuple(filled.shape) != tuple(res.shape[:-2]) or filled.dtype != jnp.int32:

@@ -3,10 +3,13 @@ residual page per sequence.
 
 After KIVI (Liu et al., 2024): keys have outlier *channels*, so a key is quantized per channel
 over a group of tokens; values have no such structure and are quantized per token. Here the
-group of tokens is the page (``C`` tokens), and the most recent tokens of each sequence (the
-page that is still filling, ``lengths % C`` tokens) stay in full precision in a *residual*
-page, which is quantized as a whole the moment the page fills. So every stored key page has
-seen all of its tokens before its per-channel statistics are fixed.
+group of tokens is the page (``C`` tokens), and the most recent tokens of each sequence stay in
+full precision in a float32 *window* of ``W = format.residual_pages(C)`` pages: the page that
+is still filling plus the ``W - 1`` most recent full pages (``KVFormat("kivi2", residual=R)``:
+``W = ceil(R / C) + 1``, so at least ``R`` and fewer than ``R + C`` recent tokens are exact;
+``R = 0``: the open page only). A page is encoded and stored the moment it fills (so every
+stored key page has seen all of its tokens before its per-channel statistics are fixed, and
+the stored pool is complete for offload), and is read from the window until it slides out.
 
 Layout of a ``kivi2`` pool (:class:`paged.QuantizedPages` with ``format.kind == "kivi2"``),
 for a cache (``[L, K, P, C, H]`` float shape; a layer drops ``L``):
@@ -16,8 +19,11 @@ for a cache (``[L, K, P, C, H]`` float shape; a layer drops ``L``):
 * keys (``grouping == "channel"``): ``scale``, ``zero`` ``[L, K, P, H]`` bfloat16, one pair
   per channel per page; values (``grouping == "token"``): ``[L, K, P, C]`` bfloat16, one
   pair per token;
-* ``residual [L, K, B, C, H]`` float32: each sequence's open page (tokens
-  ``C * (lengths // C) ... lengths - 1``); the stored page under it is not read.
+* ``residual [L, K, B, W * C, H]`` float32: each sequence's window, a ring of ``W`` page
+  slots: token ``p`` lives in slot ``(p // C) % W`` at offset ``p % C``; with ``n`` tokens
+  written (``residual_len [L, K, B]``) the window holds positions
+  ``C * (n // C - W + 1) ... n - 1``, and reads of those positions take it (the stored pages
+  under it are not read; the open page's is not even written).
 
 Asymmetric codes: ``x' = zero + q * scale`` with ``q in {0, 1, 2, 3}``, ``zero = min``,
 ``scale = (max - min) / 3`` over the group, both rounded to bfloat16 (stated: 2 bytes each);
@@ -28,14 +34,16 @@ decodes to NaN (``paged.validate`` rejects such a token).
 
 Bytes per token per kv head at ``H = 128``: keys ``H / 4 + 4 H / C``, values ``H / 4 + 4``;
 with ``C = 64``: 76 bytes for both against bf16's 512 (0.148x), ``C = 16``: 100 (0.195x).
-The residual adds ``2 * L * K * C * H * 4`` bytes per sequence, independent of its length.
+The window adds ``2 * L * K * W * C * H * 4`` bytes per sequence, independent of its length.
 
 Writes (:func:`paged.write`, :func:`paged.append`, :func:`paged.write_layer`) go through a
-float staging window of the pages the chunk touches: the window starts from the decoded
-stored pages and the residual, takes the new tokens, then every page of it that lies wholly
-below the new length is encoded and stored, and the page holding the new length (if partial)
-becomes the residual. Rewriting tokens of a page that is already stored re-encodes that page
-from its decoded values (lossy again); appends never do.
+float staging window of the pages the chunk touches: it starts from the decoded stored pages
+and the residual window, takes the new tokens, then every page of it that lies wholly below
+the new length is encoded and stored, and the residual window slides to the new length
+(pages it keeps come from the staging window or the old window; a page that slides out is
+simply no longer read from it). Rewriting tokens of a stored page inside the window
+re-encodes it from the exact values; one below the window, from its decoded values (lossy
+again); appends never do.
 """
 
 import jax.numpy as jnp
@@ -44,8 +52,10 @@ __all__ = [
     "decode",
     "encode",
     "pack2",
-    "unpack2",
+    "reseat",
     "substitute_residual",
+    "unpack2",
+    "window_slot",
     "write_tokens",
 ]
 
@@ -95,14 +105,35 @@ def decode(data, scale, zero, grouping: str):
     return z + q * s
 
 
+def window_slot(pos, filled, page_size: int, slots: int):
+    """``(inside, index)`` for positions ``pos`` of a row with ``filled`` tokens written:
+    whether the residual window holds each (``C * (filled // C - W + 1) <= pos < filled``)
+    and where (``((pos // C) % W) * C + pos % C``), for a window of ``W = slots`` pages.
+    ``filled`` may lie outside ``[0, capacity)`` (a device's share of a longer sequence)."""
+    C, W = page_size, slots
+    base = (filled // C - (W - 1)) * C
+    inside = (pos >= base) & (pos < filled)
+    index = jnp.mod(pos // C, W) * C + jnp.mod(pos, C)
+    return inside, index
+
+
 def substitute_residual(block, residual, kv_pos, filled, page_size: int):
-    """``block [K, S, H]`` keys or values at positions ``kv_pos [S]`` with those of the open
-    page (``[C * (filled // C), filled)``) taken from ``residual [K, C, H]``; ``filled`` is
-    the row's written length (``residual_len``), whatever length the query reads to."""
-    base = (filled // page_size) * page_size
-    in_tail = (kv_pos >= base) & (kv_pos < filled)
-    idx = jnp.clip(kv_pos - base, 0, page_size - 1)
-    return jnp.where(in_tail[None, :, None], jnp.take(residual, idx, axis=1), block)
+    """``block [K, S, H]`` keys or values at positions ``kv_pos [S]`` with those inside the
+    residual window (see :func:`window_slot`) taken from ``residual [K, W * C, H]``;
+    ``filled`` is the row's written length (``residual_len``), whatever length the query
+    reads to."""
+    slots = residual.shape[-2] // page_size
+    inside, idx = window_slot(kv_pos, filled, page_size, slots)
+    return jnp.where(inside[None, :, None], jnp.take(residual, idx, axis=1), block)
+
+
+def _slot_pages(filled, page_size: int, slots: int):
+    """``[..., W]``: the page index each window slot holds for rows of ``filled`` tokens
+    (``j`` in ``[n // C - W + 1, n // C]`` with ``j % W`` = the slot; negative: none)."""
+    top = filled // page_size
+    first = top - (slots - 1)
+    s = jnp.arange(slots, dtype=jnp.int32)
+    return first[..., None] + jnp.mod(s - first[..., None], slots)
 
 
 def write_tokens(pool, table, x, start, count, layers, capacity: int):
@@ -114,6 +145,7 @@ def write_tokens(pool, table, x, start, count, layers, capacity: int):
     L, K, P, C, H = pool.shape
     Lw, B, T = x.shape[:3]
     M = table.shape[1]
+    W = pool.residual.shape[-2] // C
     grouping = pool.grouping
     n_pg = (C - 1 + T + C - 1) // C  # pages a chunk of T tokens starting anywhere spans
     span = n_pg * C
@@ -127,22 +159,22 @@ def write_tokens(pool, table, x, start, count, layers, capacity: int):
     page_ok = (page_idx >= 0) & (page_idx < M) & (ids > 0) & (ids < P)
     ids = jnp.where(page_ok, ids, 0)
 
-    # The current contents of the window, decoded: [Lw, B, n_pg, K, C, H].
+    # The current contents of the staging window: [Lw, B, K, span, H], from the residual
+    # window where it holds the position, else the decoded stored page below it, else zero.
     index = (lay[:, None, None], slice(None), ids[None])
     scale = pool.scale[index]
     zero = pool.zero[index]
     cur = decode(pool.data[index], scale, zero, grouping).reshape(Lw, B, n_pg, K, C, H)
     cur = cur.transpose(0, 1, 3, 2, 4, 5).reshape(Lw, B, K, span, H)  # token-major window
     pos = base[:, None] + jnp.arange(span, dtype=jnp.int32)  # [B, span]
-    residual = pool.residual[lay]  # [Lw, K, B, C, H]
-    res_b = residual.transpose(0, 2, 1, 3, 4)  # [Lw, B, K, C, H]
-    open_base = (lengths // C) * C  # [Lw, B]
-    in_tail = (pos[None] >= open_base[..., None]) & (pos[None] < lengths[..., None])
-    tail_idx = jnp.clip(pos[None] - open_base[..., None], 0, C - 1)  # [Lw, B, span]
-    tail_vals = jnp.take_along_axis(res_b, tail_idx[:, :, None, :, None], axis=3)
-    stored = (pos[None] < open_base[..., None]) & jnp.repeat(page_ok, C, axis=1)[None]
-    cur = jnp.where(in_tail[:, :, None, :, None], tail_vals, cur)
-    cur = jnp.where((in_tail | stored)[:, :, None, :, None], cur, 0.0)
+    residual = pool.residual[lay]  # [Lw, K, B, W * C, H]
+    res_b = residual.transpose(0, 2, 1, 3, 4)  # [Lw, B, K, W * C, H]
+    inside, slot = window_slot(pos[None], lengths[..., None], C, W)  # [Lw, B, span]
+    held = jnp.take_along_axis(res_b, slot[:, :, None, :, None], axis=3)
+    win_base = (lengths // C - (W - 1)) * C  # [Lw, B]
+    stored = (pos[None] < win_base[..., None]) & jnp.repeat(page_ok, C, axis=1)[None]
+    cur = jnp.where(inside[:, :, None, :, None], held, cur)
+    cur = jnp.where((inside | stored)[:, :, None, :, None], cur, 0.0)
 
     # The new tokens at their offsets in the window.
     offset = (start - base)[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
@@ -167,22 +199,27 @@ def write_tokens(pool, table, x, start, count, layers, capacity: int):
     out_scale = pool.scale.at[put].set(scale, mode="drop")
     out_zero = pool.zero.at[put].set(zero, mode="drop")
 
-    # The residual: the page holding new_len when it is partial and inside the window; an
-    # exactly full length leaves no residual (zeros); otherwise the old residual stays.
-    j_tail = new_len // C - base[None] // C  # [Lw, B]
-    tail_in = (new_len % C != 0) & (j_tail >= 0) & (j_tail < n_pg) & (count > 0)[None]
-    empty = new_len % C == 0
-    win_pages = window.reshape(Lw, B, K, n_pg, C, H)
-    new_tail = jnp.take_along_axis(
-        win_pages, jnp.clip(j_tail, 0, n_pg - 1)[:, :, None, None, None, None], axis=3
-    )[:, :, :, 0]  # [Lw, B, K, C, H]
-    tail_pos = (new_len // C * C)[..., None] + jnp.arange(C, dtype=jnp.int32)  # [Lw, B, C]
-    new_tail = jnp.where((tail_pos < new_len[..., None])[:, :, None, :, None], new_tail, 0.0)
+    # The residual window slides to new_len: slot s holds page j_new[s]; it comes from the
+    # staging window when this write touched it, else from the old window (same page in the
+    # same slot), else it is empty. Positions at or past new_len are zero.
+    j_new = _slot_pages(new_len, C, W)  # [Lw, B, W]
+    rel = j_new - (base // C)[None, :, None]  # the page's index in the staging window
+    from_stage = (rel >= 0) & (rel < n_pg) & (count > 0)[None, :, None]
+    from_old = j_new == _slot_pages(lengths, C, W)
+    staged = jnp.take_along_axis(
+        window.reshape(Lw, B, K, n_pg, C, H),
+        jnp.clip(rel, 0, n_pg - 1)[:, :, None, :, None, None],
+        axis=3,
+    )  # [Lw, B, K, W, C, H]
+    old = res_b.reshape(Lw, B, K, W, C, H)
     res_new = jnp.where(
-        tail_in[:, :, None, None, None],
-        new_tail,
-        jnp.where(empty[:, :, None, None, None], 0.0, res_b),
+        from_stage[:, :, None, :, None, None],
+        staged,
+        jnp.where(from_old[:, :, None, :, None, None], old, 0.0),
     )
+    tok = j_new[..., None] * C + jnp.arange(C, dtype=jnp.int32)  # [Lw, B, W, C]
+    keep = (tok >= 0) & (tok < new_len[..., None, None])
+    res_new = jnp.where(keep[:, :, None, :, :, None], res_new, 0.0).reshape(Lw, B, K, W * C, H)
     layer_put = jnp.where(drop_layer, L, layers)
     out_res = pool.residual.at[layer_put].set(res_new.transpose(0, 2, 1, 3, 4), mode="drop")
     new_len = jnp.broadcast_to(new_len[:, None, :], (Lw, K, B))
@@ -198,32 +235,41 @@ def write_tokens(pool, table, x, start, count, layers, capacity: int):
     )
 
 
-def reseat(pool, table, lengths):
-    """A kivi2 cache pool whose rows now hold ``lengths [B]`` tokens on ``table [B, M]``.
+def reseat(pool, old_table, table, lengths):
+    """A kivi2 cache pool whose rows now hold ``lengths [B]`` tokens on ``table [B, M]``
+    (the rows held ``pool.residual_len`` tokens on ``old_table [B, M]``).
 
-    A row whose open page is unchanged keeps its residual (cut at the new length); any other
-    row takes its residual from the decoded page stored at its new open page (zeros where no
-    page or nothing stored). ``residual_len`` becomes ``lengths`` on every layer.
+    Each slot of a row's new residual window keeps the old window's tokens where the slot
+    still holds the same page index on the same page id (cut at both lengths); any other
+    position inside the new window is taken from the decoded page stored there (zeros where
+    no page). ``residual_len`` becomes ``lengths`` on every layer.
     """
     from paged._quantized import QuantizedPages
 
     L, K, P, C, H = pool.shape
     B, M = table.shape
+    W = pool.residual.shape[-2] // C
     lengths = lengths.astype(jnp.int32)
     old = pool.residual_len[:, 0]  # [L, B]
-    slot = lengths // C
-    ids = jnp.take_along_axis(table.astype(jnp.int32), jnp.clip(slot, 0, M - 1)[:, None], 1)[:, 0]
-    ok = (slot < M) & (ids > 0) & (ids < P)
+    j_new = _slot_pages(lengths, C, W)  # [B, W]
+    j_at = jnp.clip(j_new, 0, M - 1)
+    ids = jnp.take_along_axis(table.astype(jnp.int32), j_at, axis=1)  # [B, W]
+    old_ids = jnp.take_along_axis(old_table.astype(jnp.int32), j_at, axis=1)
+    ok = (j_new >= 0) & (j_new < M) & (ids > 0) & (ids < P)
     ids = jnp.where(ok, ids, 0)
     part = QuantizedPages(
         pool.data[:, :, ids], pool.scale[:, :, ids], pool.format, pool.zero[:, :, ids],
         grouping=pool.grouping,
     )  # fmt: skip
-    stored = decode(part.data, part.scale, part.zero, pool.grouping)  # [L, K, B, C, H]
-    stored = jnp.where(ok[None, None, :, None, None], stored, 0.0)
-    same = (old // C == slot[None])[:, None, :, None, None]  # [L, 1, B, 1, 1]
-    keep = (jnp.arange(C)[None, :] < (lengths % C)[:, None])[None, None, :, :, None]
-    residual = jnp.where(keep, jnp.where(same, pool.residual, stored), 0.0)
+    stored = decode(part.data, part.scale, part.zero, pool.grouping)  # [L, K, B, W, C, H]
+    stored = jnp.where(ok[None, None, :, :, None, None], stored, 0.0)
+    tok = j_new[..., None] * C + jnp.arange(C, dtype=jnp.int32)  # [B, W, C]
+    same = (_slot_pages(old, C, W) == j_new[None]) & (old_ids == ids)[None]  # [L, B, W]
+    same = same[..., None] & (tok[None] < old[:, :, None, None])  # [L, B, W, C]
+    keep = (tok >= 0) & (tok < lengths[:, None, None])  # [B, W, C]
+    res_old = pool.residual.reshape(L, K, B, W, C, H)
+    residual = jnp.where(same[:, None, ..., None], res_old, stored)
+    residual = jnp.where(keep[None, None, ..., None], residual, 0.0).reshape(L, K, B, W * C, H)
     filled = jnp.broadcast_to(lengths[None, None], (L, K, B))
     return QuantizedPages(
         pool.data,

@@ -211,15 +211,22 @@ class KVFormat:
         both with one float32 absmax scale per token per kv head; or ``"int4"`` (symmetric
         levels -7..7, two per byte, one bfloat16 absmax scale per group of ``group_size``
         values along ``H``); or ``"kivi2"`` (KIVI-style 2-bit: keys per channel over each page,
-        values per token, bfloat16 scale and zero-point, the open page of each sequence in
-        float32; see :mod:`paged._kivi`).
+        values per token, bfloat16 scale and zero-point, the most recent tokens of each
+        sequence in float32; see :mod:`paged._kivi`).
       group_size: int4's group along ``H`` (a positive even int, default 32; ``H`` must be a
-        multiple of it). int8 and fp8 have no groups and require the default (so that equal
-        formats compare equal).
+        multiple of it). The other kinds have no groups and require the default (so that
+        equal formats compare equal).
+      residual: kivi2's full-precision window, in tokens (a non-negative int, default 0):
+        reads take the most recent ``residual`` tokens of each sequence, rounded up to whole
+        pages, plus the page that is still filling, from a float32 window of
+        ``residual_pages(C) = ceil(residual / C) + 1`` pages per sequence (so at least
+        ``residual`` and fewer than ``residual + C`` tokens are exact). ``0``: the open page
+        only. Other kinds require 0.
 
     Raises:
-      ValueError: if ``kind`` is not a known format name, or ``group_size`` is not a positive
-        even int (or differs from the default for int8 / fp8).
+      ValueError: if ``kind`` is not a known format name, ``group_size`` is not a positive
+        even int (or differs from the default for a kind without groups), or ``residual`` is
+        not a non-negative int (or is set for a kind other than kivi2).
       NotImplementedError: for a planned but not yet supported kind.
 
     Example:
@@ -227,10 +234,13 @@ class KVFormat:
       (dtype('int8'), 448.0, dtype(bfloat16))
       >>> KVFormat("int4").bytes_per_token(128), KVFormat("int8").bytes_per_token(128)
       (72, 132)
+      >>> KVFormat("kivi2", residual=128).residual_pages(16), KVFormat("kivi2").tag
+      (9, 'kivi2')
     """
 
     kind: str
     group_size: int = _DEFAULT_GROUP
+    residual: int = 0
 
     def __post_init__(self):
         known = sorted(_CODECS)
@@ -251,6 +261,23 @@ class KVFormat:
                 f"leave group_size at its default {_DEFAULT_GROUP}, got {g!r}"
             )
         object.__setattr__(self, "group_size", int(g))
+        r = self.residual
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+            raise ValueError(f"KVFormat: residual: expected a non-negative int, got {r!r}")
+        if self.kind != "kivi2" and r != 0:
+            raise ValueError(
+                f"KVFormat: residual: only kivi2 keeps a full-precision window: leave residual "
+                f"at 0 for {self.kind!r}, got {r!r}"
+            )
+        object.__setattr__(self, "residual", int(r))
+
+    def residual_pages(self, page_size: int) -> int:
+        """kivi2: pages of the float32 window per sequence, ``ceil(residual / C) + 1`` (the
+        open page and the most recent full pages); 0 for the other kinds."""
+        if self.kind != "kivi2":
+            return 0
+        C = int(page_size)
+        return -(-self.residual // C) + 1
 
     @property
     def _codec(self):
@@ -273,8 +300,11 @@ class KVFormat:
 
     @property
     def tag(self) -> str:
-        """A name that identifies the format: the kind, plus ``-g{group_size}`` for int4."""
-        return f"{self.kind}-g{self.group_size}" if self.kind in _GROUPED else self.kind
+        """A name that identifies the format: the kind, plus ``-g{group_size}`` for int4 and
+        ``-r{residual}`` for a kivi2 window of ``residual > 0`` tokens."""
+        if self.kind in _GROUPED:
+            return f"{self.kind}-g{self.group_size}"
+        return f"{self.kind}-r{self.residual}" if self.residual else self.kind
 
     def check_head_dim(self, fn: str, name: str, head_dim: int) -> None:
         """Raises ``ValueError`` (naming ``fn`` and ``name``) unless this format stores ``H``."""
@@ -313,7 +343,7 @@ class KVFormat:
 
         int8 / fp8: ``H * itemsize + 4``; int4: ``H / 2 + 2 * H / group_size``. kivi2 (needs
         ``page_size`` ``C``): keys ``H / 4 + 4 H / C``, values ``H / 4 + 4``, averaged; the
-        float32 residual page of each sequence is per sequence, not per token, and not
+        float32 residual window of each sequence is per sequence, not per token, and not
         counted.
         """
         if self.kind == "kivi2":
@@ -389,7 +419,7 @@ class QuantizedPages:
                 f"{self.data.ndim - 2}, no Ellipsis), got {index!r}"
             )
         zero = None if self.zero is None else self.zero[index]
-        # The residual ([*lead, B, C, H]) follows an index of the axes before the page axis
+        # The residual ([*lead, B, W * C, H]) follows an index of the axes before the page axis
         # only; a selection of pages carries no residual.
         residual = residual_len = None
         if self.residual is not None and used <= self.data.ndim - 3:
@@ -527,7 +557,7 @@ def take_decoded(pool, index):
 def select_rows(pool, rows):
     """``pool`` as a batch of sequences ``rows`` of its cache reads it.
 
-    A kivi2 pool keeps one residual page per sequence row of its cache; attention over the
+    A kivi2 pool keeps one residual window per sequence row of its cache; attention over the
     pool takes them row for row with the page table. A caller whose page table lists the
     cache's sequences in another order, or repeats them (one query per row, say), narrows
     the residual with this first. Any other pool is returned as it is. Jittable.

@@ -68,7 +68,7 @@ def local_partial(
     capacity = page_table.shape[1] * k_pages.shape[2]  # M_d * C
     offset = jax.lax.axis_index(seq_axis) * capacity
     local_lengths = jnp.clip(lengths - offset, 0, capacity)
-    # A kivi2 residual page (replicated) counts in this device's token range, like lengths.
+    # A kivi2 residual window (replicated) counts in this device's token range, like lengths.
     k_pages, v_pages = (_local_residual(pool, offset, capacity) for pool in (k_pages, v_pages))
     opts = kernel_options(
         "sharded_paged_attention", mask, N, H, ppb, page_table.shape[1], page_mass
@@ -90,10 +90,21 @@ def _pool_specs(pool, pool_spec):
 
 
 def _local_residual(pool, offset, capacity):
+    """A kivi2 pool's window in this device's local positions: the written length shifted
+    by ``offset`` (left unclipped, so a window straddling two devices is read by both), the
+    ring of ``W`` page slots rotated so local page ``j`` is in slot ``j % W``."""
+    del capacity
     if getattr(pool, "residual", None) is None:
         return pool
-    filled = jnp.clip(pool.residual_len - offset, 0, capacity)
-    return dataclasses.replace(pool, residual_len=filled)
+    *lead, WC, H = pool.residual.shape
+    C = pool.shape[-2]
+    W = WC // C
+    shift = (offset // C) % W  # global page j = local page + offset // C
+    ring = pool.residual.reshape(*lead, W, C, H)
+    ring = jnp.roll(ring, -shift, axis=len(lead))  # local slot s <- global slot s + shift
+    return dataclasses.replace(
+        pool, residual=ring.reshape(*lead, WC, H), residual_len=pool.residual_len - offset
+    )
 
 
 def sharded_paged_attention(

@@ -147,7 +147,7 @@ def _check_finite_tokens(cache: PagedKVCache) -> None:
             scale = scale + np.asarray(pool.zero, np.float32)  # keys: [L, K, P, H]
             if pool.grouping == "channel":
                 scale = np.repeat(np.max(scale, axis=-1, keepdims=True), C, axis=-1)
-            residual = np.asarray(pool.residual)  # [L, K, B, C, H]
+            residual = np.asarray(pool.residual)  # [L, K, B, W * C, H]
             filled = np.asarray(pool.residual_len)  # [L, K, B]
         elif scale.ndim == 5:
             scale = np.where(np.all(np.isfinite(scale), axis=-1), 0.0, np.nan)  # per token
@@ -155,10 +155,12 @@ def _check_finite_tokens(cache: PagedKVCache) -> None:
             pos = np.arange(int(lengths[b]))
             pages, offsets = table[b, pos // C], pos % C
             tokens = scale[:, :, pages, offsets]  # [L, K, n]
-            if kivi:  # positions of the open page (per layer) are read from the residual
-                open_base = filled[:, :, b, None] // C * C  # [L, K, 1]
-                tail = np.max(residual[:, :, b, offsets], axis=-1)  # [L, K, n]
-                in_tail = (pos >= open_base) & (pos < filled[:, :, b, None])
+            if kivi:  # positions inside the residual window (per layer) are read from it
+                W = residual.shape[3] // C
+                n = filled[:, :, b, None]  # [L, K, 1]
+                slot = (pos // C) % W * C + pos % C
+                tail = np.max(residual[:, :, b, slot], axis=-1)  # [L, K, n]
+                in_tail = (pos >= (n // C - (W - 1)) * C) & (pos < n)
                 tokens = np.where(in_tail, tail, tokens)
             bad = np.argwhere(~np.isfinite(tokens))  # [L, K, n] hits
             if bad.size:

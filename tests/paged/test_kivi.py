@@ -31,6 +31,7 @@ from paged import (
 from tests._util import assert_close, make_test_mesh
 
 FMT = KVFormat("kivi2")
+WINDOW = KVFormat("kivi2", residual=6)  # page size 4: a window of ceil(6 / 4) + 1 = 3 pages
 
 
 def kivi_bound(x, axis):
@@ -116,12 +117,12 @@ def test_bytes_per_token_meet_the_target_with_bf16_stats():
 # --- the cache: residual, chunking ---------------------------------------------------------
 
 
-def _cache(L=2, K=2, P=20, C=4, H=8, B=3, M=6):
+def _cache(L=2, K=2, P=20, C=4, H=8, B=3, M=6, fmt=FMT):
     rng = np.random.default_rng(1)
     table = np.zeros((B, M), np.int32)
     ids = rng.permutation(np.arange(1, P))[: B * M].reshape(B, M)
     table[:] = ids
-    cache = init_paged_cache(L, K, P, C, H, batch=B, max_pages_per_seq=M, kv_format=FMT)
+    cache = init_paged_cache(L, K, P, C, H, batch=B, max_pages_per_seq=M, kv_format=fmt)
     return with_page_table(cache, jnp.asarray(table))
 
 
@@ -165,8 +166,9 @@ def test_residual_is_exact_and_full_pages_are_stored_whole():
         pytest.param([2, 11], marks=pytest.mark.slow),
     ],
 )
-def test_any_chunking_of_appends_gives_the_same_cache(chunks):
-    base = _cache()
+@pytest.mark.parametrize("fmt", [FMT, WINDOW], ids=["open-page", "window"])
+def test_any_chunking_of_appends_gives_the_same_cache(chunks, fmt):
+    base = _cache(fmt=fmt)
     L, K, P, C, H = base.k_pages.shape
     B = base.page_table.shape[0]
     rng = np.random.default_rng(3)
@@ -482,17 +484,21 @@ def test_select_rows_lets_any_table_order_read_the_residual():
 
 
 @pytest.mark.parametrize(
-    ("D", "axis_type"),
+    ("D", "axis_type", "fmt"),
     [
-        (2, jax.sharding.AxisType.Explicit),
-        pytest.param(2, jax.sharding.AxisType.Auto, marks=pytest.mark.slow),
-        pytest.param(4, jax.sharding.AxisType.Auto, marks=pytest.mark.slow),
-        pytest.param(4, jax.sharding.AxisType.Explicit, marks=pytest.mark.slow),
+        (2, jax.sharding.AxisType.Explicit, FMT),
+        (4, jax.sharding.AxisType.Explicit, WINDOW),
+        pytest.param(2, jax.sharding.AxisType.Auto, FMT, marks=pytest.mark.slow),
+        pytest.param(2, jax.sharding.AxisType.Auto, WINDOW, marks=pytest.mark.slow),
+        pytest.param(4, jax.sharding.AxisType.Auto, FMT, marks=pytest.mark.slow),
+        pytest.param(4, jax.sharding.AxisType.Explicit, FMT, marks=pytest.mark.slow),
     ],
 )
-def test_sharded_decode_over_a_kivi2_cache(D, axis_type):
+def test_sharded_decode_over_a_kivi2_cache(D, axis_type, fmt):
     # Pages split over the devices; each row's residual page (replicated) is read by the
-    # device whose token range holds it. Lengths put the residual on several devices.
+    # device whose token range holds it. Lengths put the residual on several devices; with a
+    # window of 3 pages, row 2's (positions 8..16) and, on 4 devices, row 0's (20..29)
+    # straddle two devices.
     rng = np.random.default_rng(18)
     L, K, C, H, B, M = 1, 2, 4, 8, 3, 8
     Md = M // D
@@ -504,12 +510,12 @@ def test_sharded_decode_over_a_kivi2_cache(D, axis_type):
     for i in range(M):
         local[:, i] = 1 + (i % Md) * B + np.arange(B)
     global_table = local + (np.arange(M) // Md)[None] * Pd
-    cache = init_paged_cache(L, K, P, C, H, batch=B, max_pages_per_seq=M, kv_format=FMT)
+    cache = init_paged_cache(L, K, P, C, H, batch=B, max_pages_per_seq=M, kv_format=fmt)
     cache = with_page_table(cache, jnp.asarray(global_table))
     k, v = _kv(rng, L, B, 30, K, H)
-    cache = write(cache, k, v, 0)
     lengths = jnp.array([30, 7, 17])  # residual pages on different devices
-    cache = with_page_table(cache, cache.page_table, lengths)
+    cache = write(cache, k, v, 0, count=lengths)  # each window holds exact tokens
+    np.testing.assert_array_equal(cache.lengths, lengths)
     q = jnp.asarray(rng.standard_normal((B, 2, 4, H)), jnp.float32)
     mesh = make_test_mesh((D,), ("seq",), axis_type=axis_type)
     got = paged.sharded_paged_attention(
@@ -522,3 +528,185 @@ def test_sharded_decode_over_a_kivi2_cache(D, axis_type):
     )  # fmt: skip
     assert_close(got.out, ref.out, dtype=jnp.float32)
     assert_close(got.page_mass, ref.page_mass, dtype=jnp.float32)
+
+
+# --- the residual window (KVFormat("kivi2", residual=R)) ---------------------------------
+
+
+def _expected_kv(x, n, C, W, role):
+    """The independent oracle of a kivi2 window: ``x [B, T, K, H]`` exact tokens, ``n [B]``
+    lengths: positions in the last ``W`` pages (``C * (n // C - W + 1) .. n - 1``) exact, every
+    older page as ``quantize_pages`` stores it, the rest zero. Returns ``[B, M * C, K, H]``
+    for a capacity of ``x.shape[1]`` tokens."""
+    B, T, K, H = x.shape
+    out = np.zeros_like(x)
+    for b in range(B):
+        base = max(0, (n[b] // C - W + 1) * C)
+        for page in range(base // C):
+            tokens = x[b, page * C : (page + 1) * C].transpose(1, 0, 2)  # [K, C, H]
+            q = quantize_pages(jnp.asarray(tokens), FMT, role=role).dequantize()
+            out[b, page * C : (page + 1) * C] = np.asarray(q).transpose(1, 0, 2)
+        out[b, base : n[b]] = x[b, base : n[b]]
+    return out
+
+
+def test_window_formats_and_their_shapes():
+    assert WINDOW.residual_pages(4) == 3 and FMT.residual_pages(4) == 1
+    assert KVFormat("kivi2", residual=8).residual_pages(4) == 3
+    assert KVFormat("int8").residual_pages(4) == 0
+    assert WINDOW.tag == "kivi2-r6" and WINDOW != FMT and hash(WINDOW) != hash(FMT)
+    cache = _cache(fmt=WINDOW)
+    assert cache.k_pages.residual.shape == (2, 2, 3, 12, 8)  # [L, K, B, W * C, H]
+    assert cache.v_pages.residual.shape == (2, 2, 3, 12, 8)
+
+
+@pytest.mark.no_typecheck
+def test_window_option_errors():
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="KVFormat: residual: expected a non-negative int"):
+            KVFormat("kivi2", residual=bad)
+    with pytest.raises(ValueError, match="KVFormat: residual: only kivi2"):
+        KVFormat("int8", residual=4)
+    cache = _cache(fmt=WINDOW)
+    narrow = init_paged_cache(2, 2, 20, 4, 8, batch=3, max_pages_per_seq=6, kv_format=FMT)
+    import dataclasses
+
+    wrong = dataclasses.replace(cache.k_pages, residual=narrow.k_pages.residual)
+    q = jnp.ones((3, 1, 4, 8))
+    with pytest.raises(ValueError, match=r"paged_attention: k_pages\.residual: expected float32"):
+        paged_attention(q, wrong[0], cache.v_pages[0], cache.page_table, cache.lengths)
+
+
+@pytest.mark.parametrize("residual", [4, 6, 9])
+def test_window_keeps_the_recent_pages_exact_in_any_chunking(residual):
+    fmt = KVFormat("kivi2", residual=residual)
+    base = _cache(fmt=fmt)
+    L, K, P, C, H = base.k_pages.shape
+    B = base.page_table.shape[0]
+    W = fmt.residual_pages(C)
+    rng = np.random.default_rng(30 + residual)
+    k, v = _kv(rng, L, B, 24, K, H)
+    cache, start = base, 0
+    for n in (3, 1, 1, 6, 2, 5, 1, 4):  # random chunking of 23 tokens
+        cache = write(cache, k[:, :, start : start + n], v[:, :, start : start + n], start)
+        start += n
+        lengths = np.full(B, start)
+        for layer in (0, L - 1):
+            kg, vg = (np.asarray(x) for x in gather_kv(cache, layer))
+            for got, x, role in ((kg, k, "keys"), (vg, v, "values")):
+                want = _expected_kv(np.asarray(x[layer]), lengths, C, W, role)
+                np.testing.assert_array_equal(got, want)
+    # Every full page is stored whole the moment it fills, inside the window or not.
+    table = np.asarray(cache.page_table)
+    for pool, x, role in ((cache.k_pages, k, "keys"), (cache.v_pages, v, "values")):
+        stored = np.asarray(pool.dequantize())  # [L, K, P, C, H]
+        for b in range(B):
+            for page in range(start // C):
+                tokens = np.asarray(x[1, b, page * C : (page + 1) * C]).transpose(1, 0, 2)
+                q = quantize_pages(jnp.asarray(tokens), FMT, role=role).dequantize()
+                np.testing.assert_array_equal(stored[1, :, table[b, page]], np.asarray(q))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True, "window": 5}, pytest.param({"softcap": 2.0}, marks=pytest.mark.slow)],
+)
+@pytest.mark.parametrize("T", [1, 3])
+def test_paged_attention_reads_the_window_exactly(options, T):
+    # Oracle: attention over a float cache holding _expected_kv (exact window, stored pages
+    # below it), against paged_attention over the kivi2 window cache.
+    rng = np.random.default_rng(40)
+    cache, k, v = _filled(rng, fmt=WINDOW)  # lengths 23, 13 (re-seated), 0
+    L, K, P, C, H = cache.k_pages.shape
+    B, M = cache.page_table.shape
+    N = 4
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    for layer in range(L):
+        got = paged_attention(
+            q, cache.k_pages[layer], cache.v_pages[layer], cache.page_table, cache.lengths,
+            pages_per_block=2, return_page_mass=True, **options,
+        )  # fmt: skip
+        float_cache = init_paged_cache(1, K, P, C, H, batch=B, max_pages_per_seq=M)
+        float_cache = with_page_table(float_cache, cache.page_table)
+        want_k = np.zeros((B, M * C, K, H), np.float32)
+        want_v = np.zeros_like(want_k)
+        lengths = np.asarray(cache.lengths)
+        for b, n in enumerate(lengths):
+            xs = (np.asarray(k[layer, b : b + 1, :23]), np.asarray(v[layer, b : b + 1, :23]))
+            if b == 1:  # cut from 23 to 13: pages 1, 2 keep their exact window tokens; page 3
+                # (9..12 before the cut, 12 now the open page) too: same ids, same pages
+                n_old = np.array([23])
+                kk = _expected_kv(xs[0], n_old, C, 3, "keys")
+                vv = _expected_kv(xs[1], n_old, C, 3, "values")
+                # The old window (pages 3..5) holds page 3 exactly; pages 1, 2 are re-read
+                # from their stored (decoded) pages.
+                kk[:, n:], vv[:, n:] = 0.0, 0.0
+            else:
+                kk = _expected_kv(xs[0], np.array([n]), C, 3, "keys")
+                vv = _expected_kv(xs[1], np.array([n]), C, 3, "values")
+            want_k[b, :23], want_v[b, :23] = kk[0], vv[0]
+        float_cache = write(
+            float_cache, jnp.asarray(want_k)[None], jnp.asarray(want_v)[None], 0
+        )._replace(lengths=cache.lengths)
+        ref = paged_attention_reference(
+            q, float_cache.k_pages[0], float_cache.v_pages[0], cache.page_table, cache.lengths,
+            return_page_mass=True, **options,
+        )  # fmt: skip
+        assert_close(got.out, ref.out, dtype=jnp.float32)
+        assert_close(got.page_mass, ref.page_mass, dtype=jnp.float32)
+
+
+def test_reseat_keeps_window_pages_held_on_the_same_ids():
+    cache = _cache(fmt=WINDOW)
+    L, K, P, C, H = cache.k_pages.shape
+    rng = np.random.default_rng(41)
+    k, v = _kv(rng, L, 3, 22, K, H)
+    cache = write(cache, k, v, 0)  # 22 tokens: window = pages 3, 4, 5 (12..21) exact
+    x = np.asarray(k[0])
+    kg0 = np.asarray(gather_kv(cache, 0)[0])
+    table = np.asarray(cache.page_table).copy()
+    moved = table.copy()
+    moved[2, 3:] = np.setdiff1d(np.arange(1, P), table)[:3]  # row 2: pages 3.. elsewhere
+    cut = with_page_table(cache, jnp.asarray(moved), jnp.array([22, 15, 15]))
+    kg = np.asarray(gather_kv(cut, 0)[0])
+    np.testing.assert_array_equal(kg[0, :22], kg0[0, :22])  # nothing changed
+    # Row 1 cut to 15: window pages 1..3; pages 3 (12..14) were in the old window on the same
+    # id: exact; pages 1, 2 come from their stored pages (as they read before the cut).
+    np.testing.assert_array_equal(kg[1, 12:15], x[1, 12:15])
+    np.testing.assert_array_equal(kg[1, 4:12], kg0[1, 4:12])
+    np.testing.assert_array_equal(kg[1, 15:], 0.0)
+    # Row 2: page 3 now lives on a different id: its tokens come from that page (never
+    # written: zeros), not from the old window.
+    np.testing.assert_array_equal(kg[2, 12:15], 0.0)
+    np.testing.assert_array_equal(kg[2, 4:12], kg0[2, 4:12])
+    # Appends continue the window from there, exactly.
+    more = write(cut, k[:, :, :2], v[:, :, :2], cut.lengths)
+    kg = np.asarray(gather_kv(more, 0)[0])
+    np.testing.assert_array_equal(kg[1, 12:17], np.concatenate([x[1, 12:15], x[1, :2]]))
+
+
+def test_garbage_outside_the_window_has_no_effect():
+    rng = np.random.default_rng(42)
+    cache, _, _ = _filled(rng, fmt=WINDOW)
+    B, N, H = 3, 4, cache.k_pages.shape[-1]
+    C = cache.page_size
+    q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
+    clean = paged_attention(q, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths)
+    kp = cache.k_pages
+    res = np.array(kp.residual)  # [L, K, B, 3 * C, H]
+    scale = np.array(kp.scale.astype(jnp.float32))
+    table = np.asarray(cache.page_table)
+    for b, n in enumerate(np.asarray(cache.lengths)):
+        held = {(p // C) % 3 * C + p % C for p in range(max(0, (n // C - 2) * C), n)}
+        for slot in range(3 * C):
+            if slot not in held:
+                res[:, :, b, slot] = np.nan  # window slots no position reads
+        for page in range(max(0, n // C - 2), -(-n // C)):
+            scale[:, :, table[b, page]] = np.nan  # stored pages under the window
+    import dataclasses
+
+    kp = dataclasses.replace(kp, residual=jnp.asarray(res), scale=jnp.asarray(scale, jnp.bfloat16))
+    dirty = paged_attention(q, kp[0], cache.v_pages[0], cache.page_table, cache.lengths)
+    np.testing.assert_array_equal(np.asarray(dirty.out), np.asarray(clean.out))
+    # validate reads what attention reads: the window, not the pages under it.
+    paged.validate(cache._replace(k_pages=kp))
