@@ -257,6 +257,7 @@ def measure_ring(sizes: Sizes) -> dict:
         repeats=sizes.ring_repeats,
     )
     out = {name: t.best for name, t in timing.items()} | {"grad_err": err, "S": S}
+    out |= {"B": bench_ring.B, "N": bench_ring.N, "H": bench_ring.H}
     print(f"ring S={S}: {out}", flush=True)
     return out
 
@@ -387,11 +388,13 @@ def scaling_rows(results: dict, sizes: Sizes) -> list[tuple[str, int, int, float
 def report_lines(results: dict, sizes: Sizes, label: str) -> list[str]:
     """The Markdown body: the gap table, then the scaling table."""
     B, N, H = sizes.blockwise_shape
+    ring = results["ring"]
     lines = [
         f"Sizes: {label}. Blockwise: B={B}, N=K={N}, H={H}, float32, one CPU device, blocks "
         f"{sizes.block_q}x{sizes.block_kv}, best of {sizes.repeats} interleaved runs. Paged: "
         f"N, K, H, C = {sizes.paged_shape}, best of {sizes.decode_repeats}. Transfers: median "
-        f"of {sizes.transfer_repeats}. Ring: B=1, N=K={N}, H={H}, 8 emulated CPU devices "
+        f"of {sizes.transfer_repeats}. Ring: B={ring['B']}, N=K={ring['N']}, H={ring['H']}, "
+        "float32, 8 emulated CPU devices "
         f"sharing the host's cores, ours zigzag vs the paper's contiguous chunks of "
         f"{sizes.ring_chunk}, best of {sizes.ring_repeats}. Every ratio compares methods "
         "timed interleaved in one process.",

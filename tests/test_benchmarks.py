@@ -228,7 +228,7 @@ def test_bench_gaps_tables_from_known_numbers():
             }
         },
         "offload": {"memcpy": 0.9, "page_out": 1.0, "page_in": 1.2, "fresh device_put": 3.0},
-        "ring": {"ours": 1.0, "paper": 2.0, "grad_err": 0.0, "S": 128},
+        "ring": {"ours": 1.0, "paper": 2.0, "grad_err": 0.0, "S": 128, "B": 1, "N": 8, "H": 64},
     }
     gaps, scaling = _check_gaps_tables(results)
     measured = [round(value, 6) for _, value, _, _, _ in gaps]
