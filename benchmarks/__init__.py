@@ -3,7 +3,8 @@
 Run from the repository root, one script at a time, as modules::
 
     python -m benchmarks.bench_blockwise [--quick]
-    python -m benchmarks --quick        # every script in its short form, under 10 minutes
+    python -m benchmarks --quick        # every script in its short form
+    python -m benchmarks.bench_gaps --quick   # the issue-12 gap table, scaling per doubling
 
 Each script writes a Markdown table to ``benchmarks/results/`` (``--quick``:
 ``benchmarks/results/quick/``) headed by the command that produced it. The shared harness

@@ -44,17 +44,9 @@ def attention_flops(T, S, N, H, causal, backward):
     return fwd * (3.5 if backward else 1.0)  # backward: 5 matmuls (one recompute) vs 2
 
 
-def main(argv=None):
-    parser = _common.make_parser(__doc__)
-    parser.add_argument("--lengths", type=int, nargs="*")
-    args = parser.parse_args(argv)
-    run = _common.start_run("bench_blockwise", args, cpu_devices=1, argv=argv)
-    lengths = args.lengths or ([1024, 2048] if args.quick else [2048, 4096, 8192, 16384, 32768])
-    B, N, K, H = 1, 8, 8, 64
-    blocks = BlockSizes()
-    mm = matmul_flops_per_s(repeats=2 if args.quick else 5, n=2048 if args.quick else 4096)
-
-    paths = {
+def make_paths(blocks):
+    """name -> ``causal -> attend(q, k, v) -> out``: the three timed attention paths."""
+    return {
         "blockwise": lambda causal: (
             lambda q, k, v: blockwise_attention(q, k, v, causal=causal, block_sizes=blocks).out
         ),
@@ -65,6 +57,29 @@ def main(argv=None):
         ),
         "reference": lambda causal: lambda q, k, v: attention_reference(q, k, v, causal=causal).out,
     }
+
+
+def jit_fwd_and_fwd_bwd(attend):
+    """``(forward, forward+backward)``, jitted: ``attend(q, k, v)``, and the value and gradient
+    (q, k, v) of ``sum(attend(q, k, v) ** 2)``."""
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v) ** 2)
+
+    return jax.jit(attend), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def main(argv=None):
+    parser = _common.make_parser(__doc__)
+    parser.add_argument("--lengths", type=int, nargs="*")
+    args = parser.parse_args(argv)
+    run = _common.start_run("bench_blockwise", args, cpu_devices=1, argv=argv)
+    lengths = args.lengths or ([1024, 2048] if args.quick else [2048, 4096, 8192, 16384, 32768])
+    B, N, K, H = 1, 8, 8, 64
+    blocks = BlockSizes()
+    mm = matmul_flops_per_s(repeats=2 if args.quick else 5, n=2048 if args.quick else 4096)
+
+    paths = make_paths(blocks)
     rows = []
     for L in lengths:
         shape = jax.ShapeDtypeStruct((B, L, N, H), jnp.float32)
@@ -73,13 +88,7 @@ def main(argv=None):
         for causal in (False, True):
             results = {}
             for name, make in paths.items():
-                fwd = jax.jit(make(causal))
-                attend = make(causal)
-
-                def loss(q, k, v, attend=attend):
-                    return jnp.sum(attend(q, k, v) ** 2)
-
-                fwd_bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+                fwd, fwd_bwd = jit_fwd_and_fwd_bwd(make(causal))
                 mem_f = temp_bytes(fwd, shape, shape, shape)
                 mem_b = temp_bytes(fwd_bwd, shape, shape, shape)
                 res = {"mem_fwd": mem_f, "mem_bwd": mem_b, "t_fwd": None, "t_bwd": None}

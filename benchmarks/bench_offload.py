@@ -35,9 +35,16 @@ MiB = _common.MiB
 # ------------------------------------------------------------------------------------------
 # (a) throughput
 # ------------------------------------------------------------------------------------------
-def bench_throughput(reps: int) -> list[str]:
-    page_bytes, total = 16 * MiB, 256 * MiB
-    C, H = 4096, page_bytes // (4096 * 4)  # one [1, 1, 1, C, H] float32 page is 16 MiB
+def measure_throughput(
+    reps: int, *, page_bytes: int = 16 * MiB, total: int = 256 * MiB
+) -> dict[str, _common.Timing]:
+    """Times page-out, page-in, a fresh ``device_put`` and a same-size memcpy, interleaved.
+
+    Returns:
+        name (``memcpy``, ``page_out``, ``page_in``, ``fresh device_put``) -> timing of moving
+        ``total`` bytes in pages of ``page_bytes``.
+    """
+    C, H = 4096, page_bytes // (4096 * 4)  # one [1, 1, 1, C, H] float32 page of page_bytes
     n = total // page_bytes // 2  # k and v pages: n of each
     shape = (1, 1, n + 1, C, H)
     make = jax.jit(lambda: (jnp.ones(shape, jnp.float32), jnp.full(shape, 2.0, jnp.float32)))
@@ -60,7 +67,7 @@ def bench_throughput(reps: int) -> list[str]:
     def fresh_device_put():
         wait(to_host(fresh_source))  # a new host buffer each time
 
-    timings = _common.time_interleaved(
+    return _common.time_interleaved(
         {
             "memcpy": lambda: np.copyto(target, source),
             "page_out": do_page_out,
@@ -69,6 +76,11 @@ def bench_throughput(reps: int) -> list[str]:
         },
         repeats=reps,
     )
+
+
+def bench_throughput(reps: int) -> list[str]:
+    total = 256 * MiB
+    timings = measure_throughput(reps, page_bytes=16 * MiB, total=total)
     base, best_base = timings["memcpy"].median, timings["memcpy"].best
     rows = [
         "| operation | median ms | GiB/s | vs memcpy, median (target >= 0.8x) | best ms "

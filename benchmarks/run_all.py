@@ -1,9 +1,12 @@
 """Reruns every benchmark, one after another, each in its own process.
 
 ``python -m benchmarks --quick`` (or ``python -m benchmarks.run_all --quick``), from the
-repository root, reruns all of them in their short form in under 10 minutes on a 2-core CPU,
-writing ``benchmarks/results/quick/*.md`` and a summary ``benchmarks/results/quick/README.md``
-(script, exit status, seconds). Without ``--quick`` it runs the full sizes (hours on a CPU;
+repository root, reruns all of them in their short form on a 2-core CPU, writing
+``benchmarks/results/quick/*.md`` and a summary ``benchmarks/results/quick/README.md``
+(script, exit status, seconds, then the gap table of ``bench_gaps``). The scripts before
+``bench_gaps`` take under 10 minutes together; ``bench_gaps`` alone (``--only bench_gaps``, or
+``python -m benchmarks.bench_gaps --quick``) reruns the issue-12 gap table and the scaling per
+doubling in about 5 more. Without ``--quick`` it runs the full sizes (hours on a CPU;
 the full tables in ``benchmarks/results/`` are overwritten). Each script runs in a fresh
 process because the number of emulated CPU devices is fixed before JAX starts.
 """
@@ -27,7 +30,9 @@ SCRIPTS = (
     "bench_train",
     "bench_decode",
     "bench_kvquant",
+    "bench_gaps",  # last: the issue-12 gap table and the scaling per doubling, its own sizes
 )
+QUICK_TIMEOUTS = {"bench_gaps": 600.0}  # seconds with --quick where 300 is too short
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -35,15 +40,36 @@ def _fmt(load):
     return "n/a" if load is None else f"{load:.1f}"
 
 
+def _gaps_summary(quick: bool, ran: bool) -> list[str]:
+    """The gap table of the ``bench_gaps`` run just made (its ``## Gaps`` section), if any."""
+    path = (_common.QUICK_DIR if quick else _common.RESULTS_DIR) / "gaps.md"
+    if not ran or not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    start = lines.index("## Gaps (issue 12)") if "## Gaps (issue 12)" in lines else None
+    if start is None:
+        return []
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return ["", f"## Gaps (issue 12), from [`{path.name}`]({path.name})", *lines[start + 1 : end]]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short forms, under 10 minutes")
+    parser.add_argument("--quick", action="store_true", help="short forms (see above)")
     parser.add_argument("--only", nargs="*", choices=SCRIPTS, help="run only these scripts")
     parser.add_argument(
-        "--timeout", type=float, default=None, help="seconds per script (default 300 with --quick)"
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per script (default with --quick: 300, bench_gaps 600)",
     )
     args = parser.parse_args(argv)
-    timeout = args.timeout or (300.0 if args.quick else None)
+
+    def timeout_of(name):
+        if args.timeout or not args.quick:
+            return args.timeout
+        return QUICK_TIMEOUTS.get(name, 300.0)
+
     scripts = args.only or SCRIPTS
     rows, failed = [], []
     start = time.perf_counter()
@@ -52,6 +78,7 @@ def main(argv=None):
         command = [sys.executable, "-m", f"benchmarks.{name}", *(["--quick"] if args.quick else [])]
         print(f"=== {_common.command_line(name, command[3:])}", flush=True)
         t0 = time.perf_counter()
+        timeout = timeout_of(name)
         try:
             status = subprocess.run(command, cwd=REPO_ROOT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
@@ -74,6 +101,7 @@ def main(argv=None):
         "| script | exit status | seconds |",
         "|---|---|---:|",
         *rows,
+        *_gaps_summary(args.quick, "bench_gaps" in scripts and "bench_gaps" not in failed),
     ]
     out = (_common.QUICK_DIR if args.quick else _common.RESULTS_DIR) / "README.md"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,9 +5,13 @@ the same thing (the same training-step loss and gradient norm; the same greedy t
 tests run those checks on a tiny model so a broken benchmark path shows up in CI.
 ``bench_kvquant``'s tables are checked for internal consistency (measured bytes against the
 formats' formulas and the README's numbers, the documented error bounds, error ordered by bits).
+``bench_gaps``'s tables are built from real tiny-size measurements and checked for structure
+(one row per gap and per doubling, positive finite ratios), and its port of the Ring Attention
+paper's code is checked against the reference.
 """
 
 import dataclasses
+import math
 import pathlib
 import subprocess
 import sys
@@ -16,7 +20,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks import bench_decode, bench_kvquant, bench_quality, bench_ring_quant, bench_train
+from benchmarks import (
+    _paper_ring,
+    bench_blockwise,
+    bench_decode,
+    bench_gaps,
+    bench_kvquant,
+    bench_quality,
+    bench_ring_quant,
+    bench_train,
+)
 from examples.longctx_lm.model import ModelConfig, Transformer
 from ringattn import BlockSizes
 
@@ -163,3 +176,102 @@ def test_bench_kvquant_quick_run_writes_every_section(tmp_path):
     for title in ("## 1.", "## 2.", "## 3.", "## 4.", "Llama-3-70B", "trained model"):
         assert title in text, title
     assert "**no**" not in text  # every documented bound held
+
+
+def _check_gaps_tables(results):
+    """The gap and scaling tables of ``results``: every row there, every ratio positive and
+    finite, every row of the Markdown body present (no timing is asserted)."""
+    sizes = bench_gaps.TINY
+    gaps = bench_gaps.gap_rows(results, sizes)
+    assert len(gaps) == 8  # backward, two efficiencies, causal, paged, page-out, page-in, ring
+    for gap, value, target, met, _note in gaps:
+        assert math.isfinite(value) and value > 0, (gap, value)
+        assert isinstance(met, bool) and target[:2] in ("<=", ">="), (gap, target)
+    scaling = bench_gaps.scaling_rows(results, sizes)
+    counts = (
+        sizes.fwd_lengths,
+        sizes.bwd_lengths,
+        sizes.decode_lengths,
+        *[sizes.memory_lengths] * 2,
+    )
+    assert len(scaling) == sum(len(lengths) - 1 for lengths in counts)
+    for name, a, b, ratio, expected in scaling:
+        assert b == 2 * a and math.isfinite(ratio) and ratio > 0, (name, a, b, ratio)
+        assert expected in ("~2x", "~4x"), name
+    text = bench_gaps.report_lines(results, sizes, "tiny")
+    table = [line for line in text if line.startswith("| ") and "---" not in line]
+    assert len(table) == 2 + len(gaps) + len(scaling)  # two header rows
+    assert [line.count("|") for line in table] == [6] * (1 + len(gaps)) + [5] * (1 + len(scaling))
+    return gaps, scaling
+
+
+def test_bench_gaps_tables_from_known_numbers():
+    """The tables from made-up measurements at the tiny sizes: each ratio is the quotient it
+    names, each target's verdict follows, each doubling's ratio is value(2S) / value(S)."""
+    B, N, H = bench_gaps.TINY.blockwise_shape
+    mm = 1e9
+    flops = bench_blockwise.attention_flops(256, 256, N, H, False, False) * B
+    results = {
+        "blockwise": {
+            "matmul_flops": mm,
+            "fwd": {"128": 0.25 * flops / mm, "256": flops / mm},  # 100% efficient at 256
+            "fwd_causal": {"128": 0.5 * 0.25 * flops / mm, "256": 0.6 * flops / mm},
+            "fwd_bwd": {"128": 7.0 * flops / mm / 4, "256": 7.0 * flops / mm},  # 50% efficient
+            "bwd": {"128": 1.0, "256": 2.0 * flops / mm},
+            "temp_fwd": {"128": 10, "256": 20, "512": 50},
+            "temp_fwd_bwd": {"128": 30, "256": 60, "512": 90},
+        },
+        "paged": {
+            "by_length": {
+                "64": {"contiguous": 1.0, "paged": 1.5, "best": 2},
+                "128": {"contiguous": 2.0, "paged": 2.1, "best": 4},
+            }
+        },
+        "offload": {"memcpy": 0.9, "page_out": 1.0, "page_in": 1.2, "fresh device_put": 3.0},
+        "ring": {"ours": 1.0, "paper": 2.0, "grad_err": 0.0, "S": 128, "B": 1, "N": 8, "H": 64},
+    }
+    gaps, scaling = _check_gaps_tables(results)
+    measured = [round(value, 6) for _, value, _, _, _ in gaps]
+    assert measured == [2.0, 0.5, 1.0, 0.6, 1.05, 0.9, 0.75, 0.5]
+    assert [met for *_, met, _ in gaps] == [True, False, True, False, True, True, False, True]
+    ratios = [round(r, 6) for _, _, _, r, _ in scaling]
+    assert ratios[:3] == [4.0, 4.0, 1.4]  # fwd, fwd+bwd, paged decode
+    assert [round(r, 6) for name, *_, r, _ in scaling if "temporaries" in name] == [2, 2.5, 2, 1.5]
+
+
+@pytest.mark.slow  # ~1 min on 2 busy cores: compiles every part, both rings on 8 devices
+def test_bench_gaps_parts_at_tiny_sizes():
+    """Every part of ``bench_gaps`` measured at tiny sizes (the ring on the 8 test devices, the
+    rest on device 0), then both tables; the two rings' gradients agree."""
+    results = {part: bench_gaps.MEASURE[part](bench_gaps.TINY) for part in bench_gaps.PARTS}
+    assert results["ring"]["grad_err"] < 1e-4
+    assert len(results["blockwise"]["temp_fwd_bwd"]) == len(bench_gaps.TINY.memory_lengths)
+    _check_gaps_tables(results)
+
+
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_paper_ring_port_matches_the_reference(causal):
+    """The benchmark's baseline, the port of the paper's ring, is ring attention: output and
+    gradients match ``attention_reference`` (float32, 8 devices, 2 chunks per shard)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ringattn import attention_reference
+    from tests._util import assert_close, make_test_mesh
+
+    mesh = make_test_mesh((8,), ("seq",))
+    port = jax.jit(_paper_ring.make_paper_ring(mesh, "seq", causal=causal, chunk=2))
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 32, 2, 8)) for i in range(3))
+
+    def reference(q, k, v):
+        return attention_reference(q, k, v, causal=causal).out
+
+    assert_close(port(q, k, v), reference(q, k, v), dtype=jnp.float32, what="out")
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+
+    got = jax.jit(jax.grad(loss(port), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert_close(g, w, dtype=jnp.float32, grad=True, what=f"d{name}")
