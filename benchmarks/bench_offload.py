@@ -50,7 +50,7 @@ def bench_throughput(reps: int) -> list[str]:
     target = np.empty_like(source)
     fresh_source = jax.jit(lambda: jnp.ones((total // 4,), jnp.float32))()
     state = {"host": host, "k": k, "v": v}
-    dispatch: dict[str, list[float]] = {"page_out": [], "page_in": [], "page_in (contiguous)": []}
+    dispatch: dict[str, list[float]] = {"page_out": [], "page_in": []}
 
     def timed_dispatch(name, start_transfer):
         start = time.perf_counter()
@@ -85,10 +85,7 @@ def bench_throughput(reps: int) -> list[str]:
     methods = {
         "memcpy": lambda: np.copyto(target, source),
         "page_out": do_page_out,
-        # Slots 0 .. n - 1 into pages n .. 1: no two pairs are contiguous, page by page.
         "page_in": lambda: page_in_to("page_in", ids[::-1]),
-        # Slots 0 .. n - 1 into pages 1 .. n: one contiguous run, copied as one block.
-        "page_in (contiguous)": lambda: page_in_to("page_in (contiguous)", ids),
         "fresh device_put": fresh_device_put,
     }
     timings = _common.time_interleaved(
@@ -281,13 +278,12 @@ def main(argv=None):
     lines += [
         "",
         "Reading the numbers: (a) `page_out` / `page_in` write into a preallocated, donated "
-        "buffer in place (`dynamic_update_slice`); pairs whose page ids and slots both count "
-        "up by one are copied as one block (`page_out` here: pages 1 .. n into slots 0 .. n - "
-        "1; `page_in (contiguous)`), the others page by page (`page_in`: slots 0 .. n - 1 into "
-        "pages n .. 1). `dispatch ms` is the time until the call returns (checks and "
+        "buffer one page at a time (`dynamic_update_slice` in place), for `page_in` slots 0 .. "
+        "n - 1 into pages n .. 1. "
+        "`dispatch ms` is the time until the call returns (checks and "
         "dispatch; the copy runs after), included in `median ms`; `CPU ms` is the process's "
-        "CPU time over all threads (a single-threaded copy's wall time on an idle core: it "
-        "does not grow with other jobs' load the way wall time does). `fresh device_put` "
+        "CPU time over all threads (about a single-threaded copy's wall time on an idle core; "
+        "it grows much less with other jobs' load than wall time does). `fresh device_put` "
         "allocates its destination each time, which is what the pool avoids. (b) `split "
         "attention only` is the mixed path's attention with the host pages already fetched "
         "(two paged calls merged by log-sum-exp): the floor for `prefetch` if the copy were "

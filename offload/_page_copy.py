@@ -1,19 +1,17 @@
 """The copy kernels behind the page transfers: in-place page writes across memory kinds.
 
 Moving pages never allocates a fresh host buffer: a copy is a jitted call that donates the
-target pool and writes each block of selected source pages into its target slots with one
+target pool and writes each selected source page into its target slot with one
 ``dynamic_update_slice`` (in place), with ``out_shardings`` in the target's memory kind; a
 fresh ``device_put`` of the same bytes was 3-5x slower on CPU and a gather + scatter 3-4x
-slower. Pairs whose source ids and target slots both count up by one are coalesced into
-blocks (:func:`runs`): one slice and one write per block rather than per page.
+slower.
 
 XLA:CPU runs programs of under 1000 flops inline on the caller's thread; each kernel carries
 a tiny flop-counted marker output so that copies dispatch asynchronously there too, and
 handles poll the markers, which are never donated.
 
-Compiles: blocks have power-of-two sizes, and the blocks of one size run as power-of-two
-chunks (``8 + 2 + 1`` blocks are three calls), so each kernel compiles at most ``log2(P)``
-times per block size and there are at most ``log2(P) + 1`` block sizes per pool shape.
+Compiles: a list of ``n`` ids runs as power-of-two chunks (``n = 8 + 2 + 1`` is three calls),
+so each kernel compiles at most ``log2(P)`` times per pool shape.
 
 Pools split along the page axis are copied shard by shard: each device runs the kernel on its
 own shards (local page ids, local slots) and the global arrays are reassembled from the new
@@ -41,7 +39,7 @@ from offload._host_pool import (
 )
 from offload._tiers import PINNED_HOST
 
-__all__ = ["chunks", "check_same_shards", "copy_pages", "prefetch_fn", "runs"]
+__all__ = ["chunks", "check_same_shards", "copy_pages", "prefetch_fn"]
 
 
 def chunks(n: int) -> list[tuple[int, int]]:
@@ -61,8 +59,8 @@ def chunks(n: int) -> list[tuple[int, int]]:
 
 # A tiny flop-counted side output (a dot of the ids' sum with a 1024-vector, discarded) makes
 # the copy dispatch asynchronously on XLA:CPU, as it does on GPU/TPU: about 2048 flops
-# whatever the number of ids (one coalesced block is one id, and a marker that grew with the
-# ids fell under the inline threshold for one or two of them).
+# whatever the number of ids (a marker that grew with the ids, 128 per id, fell under the
+# inline threshold for copies of up to 3 pages, which then ran synchronously).
 _ASYNC_MARKER_WIDTH = 1024
 
 
@@ -71,37 +69,19 @@ def _async_marker(ids):
     return (ids.astype(jnp.float32).sum() * weights).sum()
 
 
-def runs(src: np.ndarray, dst: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Coalesces page pairs into contiguous blocks: ``{size: (src_starts, dst_starts)}``.
+def _slice_page(pool, index, axis):
+    return lax.dynamic_slice_in_dim(pool, index, 1, axis=axis)  # [*L, K, 1, C, H]
 
-    A maximal run of pairs with ``src`` and ``dst`` both counting up by one is cut into
-    power-of-two blocks, largest first (a run of 11 pages is blocks of 8, 2 and 1); each block
-    is one slice and one in-place write of ``size`` pages instead of ``size`` page-sized ones.
-    Sizes are powers of two, so a pool sees at most ``log2(P) + 1`` block sizes.
-    """
-    n = src.size
-    if n == 0:
-        return {}
-    cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts, ends = np.r_[0, cut], np.r_[cut, n]
-    blocks: dict[int, tuple[list, list]] = {}
-    for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
-        for offset, size in chunks(hi - lo):
-            s, d = blocks.setdefault(size, ([], []))
-            s.append(src[lo + offset])
-            d.append(dst[lo + offset])
-    return {
-        size: (np.asarray(s, np.int32), np.asarray(d, np.int32))
-        for size, (s, d) in sorted(blocks.items(), reverse=True)
-    }
+
+def _write_page(pool, page, index, axis):
+    return lax.dynamic_update_slice_in_dim(pool, page, index, axis=axis)
 
 
 @functools.lru_cache(maxsize=256)
-def _copy_pages_fn(source_sharding, target_sharding, axis: int | None = None, size: int = 1):
-    """``target[..., dst[i] : dst[i] + size, :, :] = source[..., src[i] : src[i] + size, :, :]``
-    across memory kinds: blocks of ``size`` contiguous pages.
+def _copy_pages_fn(source_sharding, target_sharding, axis: int | None = None):
+    """``target[..., dst[i], :, :] = source[..., src[i], :, :]`` across memory kinds.
 
-    One ``dynamic_update_slice`` per block into the donated target, so XLA writes in place:
+    One ``dynamic_update_slice`` per page into the donated target, so XLA writes in place:
     0.6-0.9x memcpy on CPU here, against under 0.3x for a gather + scatter of the same pages.
     """
     source_index = replicated(source_sharding, source_sharding.memory_kind)
@@ -115,9 +95,8 @@ def _copy_pages_fn(source_sharding, target_sharding, axis: int | None = None, si
         # memory space.
         src, dst = jax.device_put(src, source_index), jax.device_put(dst, target_index)
         for i in range(src.shape[0]):
-            block = lax.dynamic_slice_in_dim(source, src[i], size, axis=page_axis)
-            block = jax.device_put(block, target_sharding)  # [*L, K, size, C, H]
-            target = lax.dynamic_update_slice_in_dim(target, block, dst[i], axis=page_axis)
+            page = jax.device_put(_slice_page(source, src[i], page_axis), target_sharding)
+            target = _write_page(target, page, dst[i], page_axis)
         return target, marker
 
     return jax.jit(
@@ -130,21 +109,19 @@ def _copy_pages_fn(source_sharding, target_sharding, axis: int | None = None, si
 
 def _copy_leaves(sources: list, targets: list, axis: int, src: np.ndarray, dst: np.ndarray):
     """The page copy on flat lists of leaf arrays (page axis ``axis``); returns new targets."""
+    fns = [
+        _copy_pages_fn(as_named(s.sharding), as_named(t.sharding), axis)
+        for s, t in zip(sources, targets, strict=True)
+    ]
     targets = list(targets)
     markers = []
-    for size, (block_src, block_dst) in runs(src, dst).items():
-        fns = [
-            _copy_pages_fn(as_named(s.sharding), as_named(t.sharding), axis, size)
-            for s, t in zip(sources, targets, strict=True)
-        ]
-        for start, count in chunks(block_src.size):
-            chunk_src = block_src[start : start + count]
-            chunk_dst = block_dst[start : start + count]
-            # Keys and values (and data and scales) are separate programs: XLA:CPU can run
-            # them on several threads, and one program holding both measured about 2x slower.
-            for i, fn in enumerate(fns):
-                targets[i], marker = fn(sources[i], targets[i], chunk_src, chunk_dst)
-                markers.append(marker)
+    for start, size in chunks(src.size):
+        chunk_src, chunk_dst = src[start : start + size], dst[start : start + size]
+        # Keys and values (and data and scales) are separate programs: XLA:CPU can run them
+        # on several threads, and one program holding both measured about 2x slower.
+        for i, fn in enumerate(fns):
+            targets[i], marker = fn(sources[i], targets[i], chunk_src, chunk_dst)
+            markers.append(marker)
     return targets, markers
 
 
@@ -355,13 +332,15 @@ def scatter_pages(target, pages, dst: np.ndarray):
             source = jax.make_array_from_single_device_arrays(
                 source.shape, as_named(staging), [source]
             )
-            (written,), _ = _copy_leaves(
-                [source],
-                [_named_shard(shard)],
-                axis,
-                np.arange(mine.size, dtype=np.int32),
-                (dst[mine] - lo).astype(np.int32),
-            )
+            fn = _copy_pages_fn(as_named(staging), as_named(shard.data.sharding), axis)
+            written = _named_shard(shard)
+            for start, size in chunks(mine.size):
+                written, _ = fn(
+                    source,
+                    written,
+                    np.arange(start, start + size, dtype=np.int32),
+                    (dst[mine] - lo)[start : start + size].astype(np.int32),
+                )
             new[part].append(written)
     arrays = [
         jax.make_array_from_single_device_arrays(t.shape, t.sharding, parts)

@@ -98,9 +98,8 @@ def page_out(
     Source (the device pool and its page ids) first, then destination (the host pool and its
     slots). ``host_pool`` is donated: its buffers are written in place and must not be used
     again; use ``handle.value``. The device pool is only read. Not jittable: call it eagerly
-    (it is host-side orchestration of compiled, in-place copies). Runs of pairs whose page
-    ids and slots both count up by one (``[4, 5, 6] -> [0, 1, 2]``) are copied as one block
-    each; every call dispatches asynchronously, even of one page.
+    (it is host-side orchestration of compiled, in-place copies); every call dispatches
+    asynchronously, even of one page.
 
     Args:
       k_pages: device keys ``[L, K, P, C, H]`` (or ``[K, P, C, H]``), float or a
@@ -156,8 +155,7 @@ def page_in(
     Source (the host pool and its slots) first, then destination (the device pool and its
     page ids). ``k_pages`` and ``v_pages`` are donated and written in place; use
     ``handle.value``. The host pool is only read (free its slots in your allocator when you
-    no longer need them). Not jittable: call it eagerly. Runs of pairs whose slots and page
-    ids both count up by one are copied as one block each.
+    no longer need them). Not jittable: call it eagerly.
 
     Args:
       host_pool: the :class:`~offload.HostPagePool` to read, ``[L, K, P_host, C, H]``.
