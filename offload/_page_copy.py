@@ -57,14 +57,16 @@ def chunks(n: int) -> list[tuple[int, int]]:
     return runs
 
 
-# A tiny flop-counted side output (a dot of the index list with a 128-vector, discarded)
-# makes the copy dispatch asynchronously on XLA:CPU, as it does on GPU/TPU.
-_ASYNC_MARKER_WIDTH = 128
+# A tiny flop-counted side output (a dot of the ids' sum with a 1024-vector, discarded) makes
+# the copy dispatch asynchronously on XLA:CPU, as it does on GPU/TPU: about 2048 flops
+# whatever the number of ids (a marker that grew with the ids, 128 per id, fell under the
+# inline threshold for copies of up to 3 pages, which then ran synchronously).
+_ASYNC_MARKER_WIDTH = 1024
 
 
 def _async_marker(ids):
     weights = jnp.arange(_ASYNC_MARKER_WIDTH, dtype=jnp.float32)
-    return (ids.astype(jnp.float32)[:, None] * weights).sum()
+    return (ids.astype(jnp.float32).sum() * weights).sum()
 
 
 def _slice_page(pool, index, axis):

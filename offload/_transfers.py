@@ -98,7 +98,8 @@ def page_out(
     Source (the device pool and its page ids) first, then destination (the host pool and its
     slots). ``host_pool`` is donated: its buffers are written in place and must not be used
     again; use ``handle.value``. The device pool is only read. Not jittable: call it eagerly
-    (it is host-side orchestration of compiled, in-place copies).
+    (it is host-side orchestration of compiled, in-place copies); every call dispatches
+    asynchronously, even of one page.
 
     Args:
       k_pages: device keys ``[L, K, P, C, H]`` (or ``[K, P, C, H]``), float or a

@@ -98,6 +98,41 @@ def _sharded(q, k, v, qs, ks, qp, kp, sinks, plan: Plan):
     return fn(*args)
 
 
+def _is_default(x, B: int, length: int) -> bool:
+    """``x`` is None or concrete ``[B, length]`` positions ``arange(length)`` on every row."""
+    if x is None:
+        return True
+    if isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True):
+        return False  # traced (under an outer jit) or not all here: cannot tell, keep it
+    default = np.broadcast_to(np.arange(length, dtype=np.int32), (B, length))
+    return bool(np.array_equal(np.asarray(x), default))
+
+
+def _ring_positions(
+    given: Positions | None, pos: Positions, plan: Plan, B: int, T: int, S: int
+) -> Positions:
+    """Positions for the strategy body; concrete default ones dropped where the ring prunes.
+
+    The ring skips the hops whose key block lies outside every local query's window only for
+    positions it derives itself (causal, a window, the contiguous layout): explicit
+    positions could put any key anywhere. Positions given concretely that equal the default
+    (``arange`` in the contiguous layout) are the same keys at the same places, so they are
+    dropped and the ring prunes; traced positions (``sharded_attention`` under an outer
+    ``jit``) cannot be read and are kept (every hop runs, the result is the same).
+    ``given`` are the caller's positions (numpy or jax arrays, checked), ``pos`` the checked
+    int32 ones (which may already be staged under a trace even for numpy input).
+    """
+    prunable = (
+        plan.strategy in ("ring", "usp")
+        and plan.layout == "contiguous"
+        and plan.mask.causal
+        and plan.mask.widest_window is not None
+    )
+    if prunable and (given is None or (_is_default(given.q, B, T) and _is_default(given.kv, B, S))):
+        return Positions(None, None)
+    return pos
+
+
 def sharded_attention(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B S K H"],
@@ -165,7 +200,11 @@ def sharded_attention(
       scale: logit scale, default ``1 / sqrt(H)``.
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` in layout order.
       positions: :class:`ringattn.Positions` (global positions in layout order); default:
-        the positions the layout puts there (``to_layout(arange(T))``).
+        the positions the layout puts there (``to_layout(arange(T))``). Strategies
+        ``"ring"`` and ``"usp"`` with ``causal``, a ``window`` and the contiguous layout skip
+        the ring hops whose keys lie outside every local query's window; given explicitly,
+        positions keep that pruning only when concrete and equal to the default (traced
+        ones, under an outer ``jit``, run every hop: same result, more transfers).
       sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the local kernel.
       hop_format: ``"ring"`` and ``"usp"`` only: None (exact), or ``"int8"`` / ``"fp8"``
@@ -317,4 +356,5 @@ def sharded_attention(
         hop_format=hop_format,
     )
     qs, ks = (None, None) if seg is None else seg
+    pos = _ring_positions(positions, pos, plan, B, T, S)
     return _sharded(q, k, v, qs, ks, pos.q, pos.kv, sinks, plan)

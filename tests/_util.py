@@ -1,4 +1,5 @@
-"""Shared test helpers: one tolerance table, a max-error comparison and a mesh factory."""
+"""Shared test helpers: one tolerance table, a max-error comparison, a mesh factory and a
+counter of the primitives a program runs."""
 
 import jax
 import numpy as np
@@ -37,3 +38,33 @@ def make_test_mesh(shape, names, *, axis_type=AxisType.Auto):
     n = int(np.prod(shape))
     devices = np.asarray(jax.devices()[:n]).reshape(shape)
     return jax.sharding.Mesh(devices, names, axis_types=(axis_type,) * len(names))
+
+
+def _subjaxprs(value):
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _subjaxprs(item)
+    elif hasattr(value, "eqns"):
+        yield value
+    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+        yield value.jaxpr
+
+
+def count_executed(jaxpr, primitive: str) -> int:
+    """How many times ``primitive`` runs in ``jaxpr``: a ``scan`` (a ``fori_loop`` with static bounds)
+    multiplies its body by its length, a ``cond`` counts its costliest branch."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == primitive
+        counts = [
+            count_executed(sub, primitive) for v in eqn.params.values() for sub in _subjaxprs(v)
+        ]
+        if eqn.primitive.name == "cond":
+            total += max(counts, default=0)
+        elif eqn.primitive.name == "scan":
+            total += eqn.params["length"] * sum(counts)
+        elif eqn.primitive.name == "while":
+            assert sum(counts) == 0, f"{primitive} in a while loop of unknown trip count"
+        else:
+            total += sum(counts)
+    return total

@@ -20,7 +20,8 @@ from offload import (
     prefetch_layer,
     wait,
 )
-from offload._page_copy import chunks
+from offload._host_pool import as_named
+from offload._page_copy import _copy_pages_fn, chunks, prefetch_fn
 from ringattn import attention_reference
 from tests._util import assert_close, make_test_mesh
 
@@ -176,6 +177,48 @@ def test_chunks_cover_range_with_powers_of_two(n):
     assert covered == list(range(n))
     assert all(size & (size - 1) == 0 for _, size in runs)
     assert len(runs) == bin(n).count("1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_runs_and_single_pages_bit_exact(dtype):
+    """Contiguous runs of ids mixed with single pages, both directions; slots and pages
+    outside the ids keep their (garbage) contents."""
+    k, v = _pools(dtype, shape=(L, K, 12, C, H))
+    garbage_k, garbage_v = _pools(dtype, shape=(L, K, 10, C, H), seed=1)
+    host = make_host_page_pool(k, v, 10)
+    host = wait(page_out(garbage_k, garbage_v, np.arange(10), host, np.arange(10)))
+    ids = np.array([1, 2, 3, 4, 5, 6, 7, 9, 10, 11])  # runs of 7, 2, 1
+    slots = np.array([2, 3, 4, 5, 6, 7, 8, 0, 1, 9])
+    host = wait(page_out(k, v, ids, host, slots))
+    expect_k, expect_v = _bits(garbage_k).copy(), _bits(garbage_v).copy()
+    expect_k[..., slots, :, :], expect_v[..., slots, :, :] = _page(k, ids), _page(v, ids)
+    np.testing.assert_array_equal(_bits(host.k_pages), expect_k)
+    np.testing.assert_array_equal(_bits(host.v_pages), expect_v)
+    back = np.array([9, 10, 11, 0, 1, 2, 5])  # runs of 3, 3, 1
+    from_slots = np.array([2, 3, 4, 6, 7, 8, 0])
+    dk, dv = _pools(dtype, shape=(L, K, 12, C, H), seed=2)
+    expect_k, expect_v = _bits(dk).copy(), _bits(dv).copy()
+    k2, v2 = wait(page_in(host, from_slots, dk, dv, back))
+    expect_k[..., back, :, :] = _page(host.k_pages, from_slots)
+    expect_v[..., back, :, :] = _page(host.v_pages, from_slots)
+    np.testing.assert_array_equal(_bits(k2), expect_k)
+    np.testing.assert_array_equal(_bits(v2), expect_v)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_kernels_carry_enough_flops_to_dispatch_asynchronously(size):
+    """XLA:CPU runs programs of under 1000 flops inline (synchronously) on the caller's
+    thread; every copy kernel, even of one page, carries a marker above that."""
+    k, v = _pools()
+    host = make_host_page_pool(k, v, 4)
+    copy = _copy_pages_fn(as_named(k.sharding), as_named(host.k_pages.sharding), 2)
+    fetch = prefetch_fn(as_named(host.k_pages.sharding), size > 1, False, 5)
+    compiled = [
+        copy.lower(k, host.k_pages, *(np.zeros(size, np.int32),) * 2).compile(),
+        fetch.lower(host.k_pages, np.int32(0), np.zeros(size, np.int32)).compile(),
+    ]
+    for program in compiled:
+        assert program.cost_analysis()["flops"] >= 1000
 
 
 @pytest.mark.no_typecheck

@@ -33,7 +33,7 @@ from ringattn import (
 from ringattn._blocks import Summaries
 from ringattn._heads_major import make_kernel_config
 from ringattn._ring import _layout_block_sizes
-from tests._util import assert_close, make_test_mesh
+from tests._util import assert_close, count_executed, make_test_mesh
 
 LOCAL = 8  # tokens per shard; blocks of 4 give several blocks per shard and per zigzag chunk
 BLOCKS = BlockSizes(block_q=4, block_kv=4)
@@ -314,43 +314,15 @@ def _count(text: str, op: str) -> int:
     return text.count(f"stablehlo.{op}")
 
 
-def _subjaxprs(value):
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _subjaxprs(item)
-    elif hasattr(value, "eqns"):
-        yield value
-    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
-        yield value.jaxpr
-
-
-def _executed(jaxpr, primitive: str) -> int:
-    """How many times ``primitive`` runs: a ``scan`` (a ``fori_loop`` with static bounds)
-    multiplies its body by its length, a ``cond`` counts its costliest branch."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += eqn.primitive.name == primitive
-        counts = [_executed(sub, primitive) for v in eqn.params.values() for sub in _subjaxprs(v)]
-        if eqn.primitive.name == "cond":
-            total += max(counts, default=0)
-        elif eqn.primitive.name == "scan":
-            total += eqn.params["length"] * sum(counts)
-        elif eqn.primitive.name == "while":
-            assert sum(counts) == 0, f"{primitive} in a while loop of unknown trip count"
-        else:
-            total += sum(counts)
-    return total
-
-
 def _transfers(n: int, **kwargs) -> int:
-    return _executed(_program(n, **kwargs)[0], "ppermute")
+    return count_executed(_program(n, **kwargs)[0], "ppermute")
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_forward_ring_has_n_minus_1_permutes(n, layout):
     jaxpr, text = _program(n, causal=True, layout=layout)
-    assert _executed(jaxpr, "ppermute") == n - 1
+    assert count_executed(jaxpr, "ppermute") == n - 1
     # Hop 0 and the last hop are peeled, the rest is one loop: at most two permutes in the
     # program whatever n, so at most two key/value blocks are live.
     assert _count(text, "collective_permute") == min(n - 1, 2)
@@ -364,7 +336,7 @@ def test_backward_ring_permutes():
     """Forward n-1, backward n-1 key/value hops + n-1 dK/dV hops + 1 shift home."""
     n = 4
     jaxpr, text = _program(n, grad=True, causal=True)
-    assert _executed(jaxpr, "ppermute") == 3 * (n - 1) + 1
+    assert count_executed(jaxpr, "ppermute") == 3 * (n - 1) + 1
     assert _count(text, "all_gather") == 0
 
 

@@ -18,7 +18,7 @@ from ringattn import (
     sharded_attention,
     to_layout,
 )
-from tests._util import assert_close, make_test_mesh
+from tests._util import assert_close, count_executed, make_test_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +231,67 @@ def test_explicit_mesh_eager_with_other_sharding():
     out = sharded_attention(q, k, v, mesh=mesh, seq_axis="seq", batch_axis="data", causal=True).out
     assert out.sharding.spec == P("data", "seq", None, None)
     assert_close(out, ref, dtype=jnp.float32, what="explicit eager uncommitted")
+
+
+WINDOW = 6  # 8 shards of T / 8 = 4 tokens: hops 1 and 2 reach the window, 3 .. 7 do not
+WINDOW_HOPS = 2
+ARANGE = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+GAPPED = 2 * ARANGE + 3
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize(
+    "kind,hops",
+    [
+        ("default", WINDOW_HOPS),  # no positions: the ring derives them and prunes
+        ("arange", WINDOW_HOPS),  # given (numpy), concrete and equal to the default: pruned
+        ("arange-jax", WINDOW_HOPS),  # the same as a concrete jax.Array
+        ("arange-traced", 7),  # an argument of the outer jit: unreadable, every hop runs
+        ("gapped", 7),  # not the default: every hop may hold a visible key
+    ],
+)
+def test_window_prunes_hops(axis_type, kind, hops):
+    """Causal + window + contiguous ring: the hops run (forward ``h``; gradient ``3 h + 1``:
+    the forward again, the backward's K/V and dK/dV hops and one shift home) and the result,
+    forward and gradients, against the float32 reference."""
+    given = {"default": None, "gapped": GAPPED, "arange-jax": jnp.asarray(ARANGE)}.get(kind, ARANGE)
+    traced = kind == "arange-traced"
+    mesh = make_test_mesh((8,), ("s",), axis_type=axis_type)
+    q, k, v, _ = make_inputs(4, 2, False, "float32", seed=2)
+    expected_pos = ARANGE if given is None else given
+
+    def f(q, k, v, pos):
+        return sharded_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            seq_axis="s",
+            causal=True,
+            window=WINDOW,
+            positions=None if pos is None else Positions(pos, pos),
+        )
+
+    def run(q, k, v, *pos):
+        closed = lambda q, k, v: f(q, k, v, pos[0] if traced else given)
+        return forward_and_grads(closed)(q, k, v)
+
+    args = (q, k, v) + ((given,) if traced else ())
+    fwd = jax.make_jaxpr(lambda *a: f(*a[:3], a[3] if traced else given))(*args).jaxpr
+    full = jax.make_jaxpr(run)(*args).jaxpr
+    assert count_executed(fwd, "ppermute") == hops
+    assert count_executed(full, "ppermute") == 3 * hops + 1
+    out, lse, grads = jax.jit(run)(*args)
+
+    def ref(q, k, v):
+        pos = Positions(expected_pos, expected_pos)
+        return attention_reference(q, k, v, causal=True, window=WINDOW, positions=pos)
+
+    ref_out, ref_lse, ref_grads = forward_and_grads(ref)(q, k, v)
+    assert_close(out, ref_out, dtype=jnp.float32, what="out")
+    assert_close(lse, ref_lse, dtype=jnp.float32, what="lse")
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(g, r, dtype=jnp.float32, grad=True, what=f"d{name}")
 
 
 def _lowered_text(strategy):
