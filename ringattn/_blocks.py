@@ -124,6 +124,24 @@ class Summaries:
             full &= (qsmin == qsmax) & (ksmin == ksmax) & (qsmin == ksmin)
         return jnp.where(live, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
 
+    def kinds(self, cfg: KernelConfig, nq: int, nk: int):
+        """``[nq, nk]`` int32 table of :meth:`kind` for every block pair (computed once)."""
+        i = jnp.arange(nq, dtype=jnp.int32)[:, None]
+        j = jnp.arange(nk, dtype=jnp.int32)[None, :]
+        return jnp.broadcast_to(self.kind(cfg, i, j), (nq, nk))
+
+
+def live_range(live):
+    """``(lo, hi)`` int32: the first live index and one past the last of ``live [n]`` bool.
+
+    ``lo == hi`` when nothing is live; a loop over ``range(lo, hi)`` visits every live index.
+    """
+    n = live.shape[0]
+    lo = jnp.argmax(live).astype(jnp.int32)
+    hi = (n - jnp.argmax(live[::-1])).astype(jnp.int32)
+    any_live = jnp.any(live)
+    return jnp.where(any_live, lo, 0), jnp.where(any_live, hi, 0)
+
 
 def block_mask(cfg: KernelConfig, summ, windows, q_pos, kv_pos, q_seg, kv_seg, q_start, kv_start):
     """Visibility of one block pair, broadcastable to the logits ``[B, K, G, bq, bk]``.
@@ -167,7 +185,12 @@ def hide_keys(mask, k_blk, v_blk):
 def logits(cfg: KernelConfig, q_blk, k_blk):
     """Scaled, soft-capped logits ``[B, K, G, bq, bk]`` in float32, and ``tanh`` for softcap."""
     s = jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
-    s = s * cfg.scale
+    return cap_logits(cfg, s)
+
+
+def cap_logits(cfg: KernelConfig, products):
+    """Raw float32 products ``q . k`` (any layout) → scaled, soft-capped logits, and ``tanh``."""
+    s = products * cfg.scale
     if cfg.mask.softcap is None:
         return s, None
     t = jnp.tanh(s / cfg.mask.softcap)
