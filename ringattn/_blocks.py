@@ -52,9 +52,18 @@ def dslice(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def q_block(x, i, size: int):
-    """Query block ``i`` of ``x [B, Tp, K, G, ...]``, transposed to ``[B, K, G, size, ...]``."""
-    return jnp.moveaxis(dslice(x, i * size, size, 1), 1, 3)
+def rows_blocks(x, bq: int):
+    """``[B, Tp, K, G, H]`` → ``[nq, B, K, G * bq, H]``: each query block's rows, head-grouped."""
+    B, Tp, K, G, H = x.shape
+    x = x.reshape(B, Tp // bq, bq, K, G, H).transpose(1, 0, 3, 4, 2, 5)
+    return x.reshape(Tp // bq, B, K, G * bq, H)
+
+
+def cols_blocks(x, bq: int):
+    """``[B, Tp, K, G, H]`` → ``[nq, B, K, H, G * bq]``: each query block, transposed."""
+    B, Tp, K, G, H = x.shape
+    x = x.reshape(B, Tp // bq, bq, K, G, H).transpose(1, 0, 3, 5, 4, 2)
+    return x.reshape(Tp // bq, B, K, H, G * bq)
 
 
 def _block_ranges(ids, block: int):
@@ -174,18 +183,6 @@ def block_mask(cfg: KernelConfig, summ, windows, q_pos, kv_pos, q_seg, kv_seg, q
 def visible_keys(mask):
     """``[B, 1, bk, 1]``: keys that some query (any head, any row) of the block may see."""
     return jnp.any(mask, axis=(1, 2, 3))[:, None, :, None]
-
-
-def hide_keys(mask, k_blk, v_blk):
-    """Zeros (``where``, not a product) the keys and values ``[B, K, bk, H]`` no query sees."""
-    seen = visible_keys(mask)
-    return jnp.where(seen, k_blk, 0), jnp.where(seen, v_blk, 0)
-
-
-def logits(cfg: KernelConfig, q_blk, k_blk):
-    """Scaled, soft-capped logits ``[B, K, G, bq, bk]`` in float32, and ``tanh`` for softcap."""
-    s = jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
-    return cap_logits(cfg, s)
 
 
 def cap_logits(cfg: KernelConfig, products):

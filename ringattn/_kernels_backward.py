@@ -27,8 +27,10 @@ from ringattn._blocks import (
     Summaries,
     block_mask,
     cap_logits,
+    cols_blocks,
     dslice,
     live_range,
+    rows_blocks,
     visible_keys,
 )
 from ringattn._varying import cast_varying, varying_axes
@@ -40,20 +42,6 @@ def update_backward_heads_major(
     """:func:`_update_backward`, with ``vmap`` folded into the batch axis."""
     kernel = fold_vmap(functools.partial(_update_backward, cfg=cfg))
     return kernel(dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta)
-
-
-def _rows_blocks(x, bq: int):
-    """``[B, Tp, K, G, H]`` → ``[nq, B, K, G * bq, H]``: each query block's rows, head-grouped."""
-    B, Tp, K, G, H = x.shape
-    x = x.reshape(B, Tp // bq, bq, K, G, H).transpose(1, 0, 3, 4, 2, 5)
-    return x.reshape(Tp // bq, B, K, G * bq, H)
-
-
-def _cols_blocks(x, bq: int):
-    """``[B, Tp, K, G, H]`` → ``[nq, B, K, H, G * bq]``: each query block, transposed."""
-    B, Tp, K, G, H = x.shape
-    x = x.reshape(B, Tp // bq, bq, K, G, H).transpose(1, 0, 3, 5, 4, 2)
-    return x.reshape(Tp // bq, B, K, H, G * bq)
 
 
 def _stat_blocks(x, bq: int):
@@ -92,8 +80,8 @@ def _update_backward(
         dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta
     )
     softcap = cfg.mask.softcap
-    q_rows, q_cols = _rows_blocks(qg, bq), _cols_blocks(qg, bq)  # [nq, B, K, R, H], [.., H, R]
-    do_rows, do_cols = _rows_blocks(dout, bq), _cols_blocks(dout, bq)
+    q_rows, q_cols = rows_blocks(qg, bq), cols_blocks(qg, bq)  # [nq, B, K, R, H], [.., H, R]
+    do_rows, do_cols = rows_blocks(dout, bq), cols_blocks(dout, bq)
     lse_b = _stat_blocks(jnp.where(jnp.isneginf(lse), 0.0, lse), bq)  # [nq, B, K, 1, G, bq]
     delta_b = _stat_blocks(delta, bq)
     # dq^T, block-major: [nq, B, K, H, R]
