@@ -4,7 +4,8 @@ Every ``(query block, key block)`` pair is classified from per-block position an
 ranges as *empty* (skipped: no compute), *full* (no mask needed) or *partial* (masked
 elementwise). The classification is dynamic, so it also skips work for arbitrary positions: a
 ring hop whose block lies in the causal future, a zigzag layout, a sliding window, packed
-documents. With one window per query head (a traced ``[B, K, G]`` int32 table, ``0`` for a
+documents. :meth:`Summaries.kinds` tabulates all pairs once per call; :func:`live_range` gives
+the span of live blocks a kernel loop visits (dynamic trip counts). With one window per query head (a traced ``[B, K, G]`` int32 table, ``0`` for a
 head without a window, so head-sharded strategies can slice it per device) a pair is live if
 it is live for the widest window and full only if it is full for the narrowest.
 

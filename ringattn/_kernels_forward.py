@@ -1,10 +1,13 @@
 """The heads-major blockwise forward kernel (an online softmax over key blocks, in place).
 
-The kernels read queries as ``q [B, Tp, K, G, H]`` (a free reshape of ``[B, T, N, H]``, so no
-transposed copy of the queries is made) and keys and values heads-major, ``k, v [B, K, Sp, H]``;
-each query block is transposed to ``[B, K, G, bq, H]`` on the fly, so each block product is
-one batched matmul over ``(B, K)`` with the ``G`` query heads of a group stacked as rows.
-Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
+The kernels read queries as ``q [B, Tp, K, G, H]`` (a free reshape of ``[B, T, N, H]``) and
+keys and values heads-major, ``k, v [B, K, Sp, H]``. Once per call the queries are laid out
+block-major as ``[nq, B, K, G * bq, H]`` (the ``G`` query heads of a group stacked as rows)
+and the keys as ``k^T`` blocks ``[nk, B, K, H, bk]``, so each block product is a plain
+row-major batched matmul over ``(B, K)``, with no transposed copy inside the loop. An
+unmasked block takes its row max from the raw products and forms the scaled logits only
+inside the ``exp``; per query block only the key blocks between the first and the last live
+one are visited. Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
 loop), and :func:`update_forward_heads_major` folds further key sets (ring hops) into the
 same state. Block pairs are classified by :mod:`ringattn._blocks`.
 """
