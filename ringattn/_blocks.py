@@ -4,7 +4,8 @@ Every ``(query block, key block)`` pair is classified from per-block position an
 ranges as *empty* (skipped: no compute), *full* (no mask needed) or *partial* (masked
 elementwise). The classification is dynamic, so it also skips work for arbitrary positions: a
 ring hop whose block lies in the causal future, a zigzag layout, a sliding window, packed
-documents. With one window per query head (a traced ``[B, K, G]`` int32 table, ``0`` for a
+documents. :meth:`Summaries.kinds` tabulates all pairs once per call; :func:`live_range` gives
+the span of live blocks a kernel loop visits (dynamic trip counts). With one window per query head (a traced ``[B, K, G]`` int32 table, ``0`` for a
 head without a window, so head-sharded strategies can slice it per device) a pair is live if
 it is live for the widest window and full only if it is full for the narrowest.
 
@@ -52,9 +53,18 @@ def dslice(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def q_block(x, i, size: int):
-    """Query block ``i`` of ``x [B, Tp, K, G, ...]``, transposed to ``[B, K, G, size, ...]``."""
-    return jnp.moveaxis(dslice(x, i * size, size, 1), 1, 3)
+def rows_blocks(x, bq: int):
+    """``[B, Tp, K, G, H]`` → ``[nq, B, K, G * bq, H]``: each query block's rows, head-grouped."""
+    B, Tp, K, G, H = x.shape
+    x = x.reshape(B, Tp // bq, bq, K, G, H).transpose(1, 0, 3, 4, 2, 5)
+    return x.reshape(Tp // bq, B, K, G * bq, H)
+
+
+def cols_blocks(x, bq: int):
+    """``[B, Tp, K, G, H]`` → ``[nq, B, K, H, G * bq]``: each query block, transposed."""
+    B, Tp, K, G, H = x.shape
+    x = x.reshape(B, Tp // bq, bq, K, G, H).transpose(1, 0, 3, 5, 4, 2)
+    return x.reshape(Tp // bq, B, K, H, G * bq)
 
 
 def _block_ranges(ids, block: int):
@@ -124,6 +134,24 @@ class Summaries:
             full &= (qsmin == qsmax) & (ksmin == ksmax) & (qsmin == ksmin)
         return jnp.where(live, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
 
+    def kinds(self, cfg: KernelConfig, nq: int, nk: int):
+        """``[nq, nk]`` int32 table of :meth:`kind` for every block pair (computed once)."""
+        i = jnp.arange(nq, dtype=jnp.int32)[:, None]
+        j = jnp.arange(nk, dtype=jnp.int32)[None, :]
+        return jnp.broadcast_to(self.kind(cfg, i, j), (nq, nk))
+
+
+def live_range(live):
+    """``(lo, hi)`` int32: the first live index and one past the last of ``live [n]`` bool.
+
+    ``lo == hi`` when nothing is live; a loop over ``range(lo, hi)`` visits every live index.
+    """
+    n = live.shape[0]
+    lo = jnp.argmax(live).astype(jnp.int32)
+    hi = (n - jnp.argmax(live[::-1])).astype(jnp.int32)
+    any_live = jnp.any(live)
+    return jnp.where(any_live, lo, 0), jnp.where(any_live, hi, 0)
+
 
 def block_mask(cfg: KernelConfig, summ, windows, q_pos, kv_pos, q_seg, kv_seg, q_start, kv_start):
     """Visibility of one block pair, broadcastable to the logits ``[B, K, G, bq, bk]``.
@@ -158,16 +186,9 @@ def visible_keys(mask):
     return jnp.any(mask, axis=(1, 2, 3))[:, None, :, None]
 
 
-def hide_keys(mask, k_blk, v_blk):
-    """Zeros (``where``, not a product) the keys and values ``[B, K, bk, H]`` no query sees."""
-    seen = visible_keys(mask)
-    return jnp.where(seen, k_blk, 0), jnp.where(seen, v_blk, 0)
-
-
-def logits(cfg: KernelConfig, q_blk, k_blk):
-    """Scaled, soft-capped logits ``[B, K, G, bq, bk]`` in float32, and ``tanh`` for softcap."""
-    s = jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32)
-    s = s * cfg.scale
+def cap_logits(cfg: KernelConfig, products):
+    """Raw float32 products ``q . k`` (any layout) → scaled, soft-capped logits, and ``tanh``."""
+    s = products * cfg.scale
     if cfg.mask.softcap is None:
         return s, None
     t = jnp.tanh(s / cfg.mask.softcap)

@@ -1,10 +1,18 @@
 """The heads-major blockwise backward kernel (FlashAttention-2 style, accumulating in place).
 
 The backward pass recomputes each block's probabilities from ``(q, k, v, lse)``, so memory
-stays linear in ``T + S``. Only block-sized values pass through the per-pair ``switch``: a
-conditional that carried the whole ``dq`` accumulator would copy it on every block pair.
-In partial blocks hidden logits, keys and values are selected away (``where``) exactly as in
-the forward, so NaN in a masked key reaches none of ``dq``, ``dk``, ``dv``.
+stays linear in ``T + S``. It works *transposed*, with keys along the rows of every block
+(``s^T = k q^T``, ``[bk, G * bq]`` per ``(B, K)``), so each of its five block products is a
+plain row-major batched matmul (``[b, m, k] x [b, k, n]``): ``dv += p^T do``,
+``dp^T = v do^T``, ``dk += ds^T q`` and ``dq^T += k^T ds^T``. The row-major and transposed
+copies of ``q`` and ``dout`` that these need are laid out once per call, block-major, instead
+of transposing ``[bq, bk]`` probabilities (or ``[bq, H]`` operands) inside the loop.
+
+Only block-sized values pass through the per-pair ``switch``: a conditional that carried the
+whole ``dq`` accumulator would copy it on every block pair. Per key block, only the query
+blocks between the first and the last live one are visited. In partial blocks hidden logits,
+keys and values are selected away (``where``) exactly as in the forward, so NaN in a masked
+key reaches none of ``dq``, ``dk``, ``dv``.
 """
 
 import functools
@@ -14,14 +22,16 @@ from jax import lax
 
 from ringattn._batching import fold_vmap
 from ringattn._blocks import (
+    EMPTY,
     KernelConfig,
     Summaries,
-    apply_mask,
     block_mask,
+    cap_logits,
+    cols_blocks,
     dslice,
-    hide_keys,
-    logits,
-    q_block,
+    live_range,
+    rows_blocks,
+    visible_keys,
 )
 from ringattn._varying import cast_varying, varying_axes
 
@@ -32,6 +42,13 @@ def update_backward_heads_major(
     """:func:`_update_backward`, with ``vmap`` folded into the batch axis."""
     kernel = fold_vmap(functools.partial(_update_backward, cfg=cfg))
     return kernel(dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta)
+
+
+def _stat_blocks(x, bq: int):
+    """``[B, K, G, Tp]`` → ``[nq, B, K, 1, G, bq]`` (a row of the transposed ``[bk, G, bq]``)."""
+    B, K, G, Tp = x.shape
+    x = x.reshape(B, K, G, Tp // bq, bq).transpose(3, 0, 1, 2, 4)
+    return x[:, :, :, None]
 
 
 def _update_backward(
@@ -56,80 +73,78 @@ def _update_backward(
     Sp = kh.shape[2]
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, Sp // bk
+    R = G * bq  # rows of one query block, all heads of a group: [G, bq] flattened
     summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk, windows, cfg.mask.dense)
+    kinds = summ.kinds(cfg, nq, nk)  # [nq, nk]
     axes = varying_axes(
         dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta
     )
-    lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
     softcap = cfg.mask.softcap
-    zero_dq_blk = cast_varying(jnp.zeros((B, K, G, bq, H), jnp.float32), axes)
+    q_rows, q_cols = rows_blocks(qg, bq), cols_blocks(qg, bq)  # [nq, B, K, R, H], [.., H, R]
+    do_rows, do_cols = rows_blocks(dout, bq), cols_blocks(dout, bq)
+    lse_b = _stat_blocks(jnp.where(jnp.isneginf(lse), 0.0, lse), bq)  # [nq, B, K, 1, G, bq]
+    delta_b = _stat_blocks(delta, bq)
+    # dq^T, block-major: [nq, B, K, H, R]
+    dq_t = dq.reshape(B, K, G, nq, bq, H).transpose(3, 0, 1, 5, 2, 4).reshape(nq, B, K, H, R)
 
     def kv_block(j, carry):
-        dq, dkv = carry
+        dq_t, dkv = carry
         k_all = dslice(kh, j * bk, bk, 2)  # [B, K, bk, H]
         v_all = dslice(vh, j * bk, bk, 2)
         kp = dslice(kv_pos, j * bk, bk, 1)
         ks = None if kv_seg is None else dslice(kv_seg, j * bk, bk, 1)
+        k_all_t = jnp.swapaxes(k_all, 2, 3)  # [B, K, H, bk]
         dkv_blk = dslice(dkv, j * bk, bk, 2)  # [B, K, bk, 2H]
 
-        def visit(i, carry, masked: bool):
-            dk, dv = carry
-            q_blk = q_block(qg, i, bq)  # [B, K, G, bq, H]
-            do_blk = q_block(dout, i, bq)
-            k_blk, v_blk = k_all, v_all
+        def visit(i, dq_blk, dk, dv, masked: bool):
+            k_blk, v_blk, k_blk_t = k_all, v_all, k_all_t
             if masked:
                 qp = dslice(q_pos, i * bq, bq, 1)
                 qs = None if q_seg is None else dslice(q_seg, i * bq, bq, 1)
                 mask = block_mask(cfg, summ, windows, qp, kp, qs, ks, i * bq, j * bk)
-                k_blk, v_blk = hide_keys(mask, k_blk, v_blk)
-            s, t = logits(cfg, q_blk, k_blk)  # [B, K, G, bq, bk]
+                seen = visible_keys(mask)  # [B, 1, bk, 1]
+                k_blk, v_blk = jnp.where(seen, k_blk, 0), jnp.where(seen, v_blk, 0)
+                k_blk_t = jnp.where(jnp.swapaxes(seen, 2, 3), k_blk_t, 0)
+                mask_t = jnp.moveaxis(mask, 4, 2)  # [B, K or 1, bk, G or 1, bq]
+            mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+            s_t, t = cap_logits(cfg, mm(k_blk, q_cols[i]).reshape(B, K, bk, G, bq))
             if masked:
-                s = apply_mask(s, mask)
-            p = jnp.exp(s - dslice(lse_safe, i * bq, bq, 3)[..., None])
-            dv = dv + jnp.einsum(
-                "bkgqs,bkgqh->bksh",
-                p.astype(do_blk.dtype),
-                do_blk,
-                preferred_element_type=jnp.float32,
-            )
-            dp = jnp.einsum("bkgqh,bksh->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-            ds = p * (dp - dslice(delta, i * bq, bq, 3)[..., None])
+                s_t = jnp.where(mask_t, s_t, -jnp.inf)
+            p_t = jnp.exp(s_t - lse_b[i])  # [B, K, bk, G, bq]
+            dv = dv + mm(p_t.reshape(B, K, bk, R).astype(dout.dtype), do_rows[i])
+            dp_t = mm(v_blk, do_cols[i]).reshape(B, K, bk, G, bq)
+            ds_t = p_t * (dp_t - delta_b[i])
             if softcap is not None:
-                ds = ds * (1.0 - t * t)
-            ds = ds * cfg.scale
-            dq_blk = jnp.einsum(
-                "bkgqs,bksh->bkgqh",
-                ds.astype(k_blk.dtype),
-                k_blk,
-                preferred_element_type=jnp.float32,
-            )
-            dk = dk + jnp.einsum(
-                "bkgqs,bkgqh->bksh",
-                ds.astype(q_blk.dtype),
-                q_blk,
-                preferred_element_type=jnp.float32,
-            )
+                ds_t = ds_t * (1.0 - t * t)
+            ds_t = (ds_t * cfg.scale).reshape(B, K, bk, R)
+            dk = dk + mm(ds_t.astype(qg.dtype), q_rows[i])
+            dq_blk = dq_blk + mm(k_blk_t, ds_t.astype(kh.dtype))
             return dq_blk, dk, dv
 
         def step(i, carry):
-            dq, dk, dv = carry
+            dq_t, dk, dv = carry
             dq_blk, dk, dv = lax.switch(
-                summ.kind(cfg, i, j),
+                kinds[i, j],
                 [
-                    lambda c: (zero_dq_blk, *c),
-                    lambda c: visit(i, c, False),
-                    lambda c: visit(i, c, True),
+                    lambda *c: c,
+                    lambda *c: visit(i, *c, False),
+                    lambda *c: visit(i, *c, True),
                 ],
-                (dk, dv),
+                dq_t[i],
+                dk,
+                dv,
             )
-            dq = lax.dynamic_update_slice_in_dim(dq, dslice(dq, i * bq, bq, 3) + dq_blk, i * bq, 3)
-            return dq, dk, dv
+            dq_t = lax.dynamic_update_index_in_dim(dq_t, dq_blk, i, 0)
+            return dq_t, dk, dv
 
-        dq, dk, dv = lax.fori_loop(0, nq, step, (dq, dkv_blk[..., :H], dkv_blk[..., H:]))
+        lo, hi = live_range(kinds[:, j] != EMPTY)
+        dq_t, dk, dv = lax.fori_loop(lo, hi, step, (dq_t, dkv_blk[..., :H], dkv_blk[..., H:]))
         dkv = lax.dynamic_update_slice_in_dim(dkv, jnp.concatenate([dk, dv], -1), j * bk, 2)
-        return dq, dkv
+        return dq_t, dkv
 
-    return lax.fori_loop(0, nk, kv_block, cast_varying((dq, dkv), axes))
+    dq_t, dkv = lax.fori_loop(0, nk, kv_block, cast_varying((dq_t, dkv), axes))
+    dq = dq_t.reshape(nq, B, K, H, G, bq).transpose(1, 2, 4, 0, 5, 3).reshape(B, K, G, Tp, H)
+    return dq, dkv
 
 
 def backward_heads_major(

@@ -1,28 +1,34 @@
 """The heads-major blockwise forward kernel (an online softmax over key blocks, in place).
 
-The kernels read queries as ``q [B, Tp, K, G, H]`` (a free reshape of ``[B, T, N, H]``, so no
-transposed copy of the queries is made) and keys and values heads-major, ``k, v [B, K, Sp, H]``;
-each query block is transposed to ``[B, K, G, bq, H]`` on the fly, so each block product is
-one batched matmul over ``(B, K)`` with the ``G`` query heads of a group stacked as rows.
-Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
+The kernels read queries as ``q [B, Tp, K, G, H]`` (a free reshape of ``[B, T, N, H]``) and
+keys and values heads-major, ``k, v [B, K, Sp, H]``. Once per call the queries are laid out
+block-major as ``[nq, B, K, G * bq, H]`` (the ``G`` query heads of a group stacked as rows)
+and the keys as ``k^T`` blocks ``[nk, B, K, H, bk]``, so each block product is a plain
+row-major batched matmul over ``(B, K)``, with no transposed copy inside the loop. An
+unmasked block takes its row max from the raw products and forms the scaled logits only
+inside the ``exp``; per query block only the key blocks between the first and the last live
+one are visited. Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
 loop), and :func:`update_forward_heads_major` folds further key sets (ring hops) into the
 same state. Block pairs are classified by :mod:`ringattn._blocks`.
 """
 
 import functools
 
+import jax.numpy as jnp
 from jax import lax
 
 from ringattn._batching import fold_vmap
 from ringattn._blocks import (
+    EMPTY,
     KernelConfig,
     Summaries,
     apply_mask,
     block_mask,
+    cap_logits,
     dslice,
-    hide_keys,
-    logits,
-    q_block,
+    live_range,
+    rows_blocks,
+    visible_keys,
 )
 from ringattn._online_softmax import (
     OnlineSoftmax,
@@ -72,40 +78,51 @@ def _update_forward(
     Sp = kh.shape[2]
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, Sp // bk
+    R = G * bq  # rows of one query block, all heads of a group: [G, bq] flattened
     summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk, windows, cfg.mask.dense)
+    kinds = summ.kinds(cfg, nq, nk)  # [nq, nk]
+    # Laid out once, block-major, so each block product is a plain row-major batched matmul:
+    # s = q k^T is [B, K, R, H] x [B, K, H, bk], p v is [B, K, R, bk] x [B, K, bk, H].
+    q_rows = rows_blocks(qg, bq)  # [nq, B, K, R, H]
+    k_cols = jnp.moveaxis(kh.reshape(B, K, nk, bk, H), 2, 0).swapaxes(3, 4)  # [nk, B, K, H, bk]
+    v_rows = jnp.moveaxis(vh.reshape(B, K, nk, bk, H), 2, 0)  # [nk, B, K, bk, H]
+    mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
 
     def one_q_block(i, state: OnlineSoftmax):
-        q_blk = q_block(qg, i, bq)  # [B, K, G, bq, H]
+        q_blk = q_rows[i]  # [B, K, R, H]
         qp = dslice(q_pos, i * bq, bq, 1)
         qs = None if q_seg is None else dslice(q_seg, i * bq, bq, 1)
 
         def visit(j, st: OnlineSoftmax, masked: bool):
-            k_blk = dslice(kh, j * bk, bk, 2)  # [B, K, bk, H]
-            v_blk = dslice(vh, j * bk, bk, 2)
+            k_blk, v_blk = k_cols[j], v_rows[j]  # [B, K, H, bk], [B, K, bk, H]
             if masked:
                 kp = dslice(kv_pos, j * bk, bk, 1)
                 ks = None if kv_seg is None else dslice(kv_seg, j * bk, bk, 1)
                 mask = block_mask(cfg, summ, windows, qp, kp, qs, ks, i * bq, j * bk)
-                k_blk, v_blk = hide_keys(mask, k_blk, v_blk)
-                s = apply_mask(logits(cfg, q_blk, k_blk)[0], mask)
-            else:
-                s = logits(cfg, q_blk, k_blk)[0]
-            s = s.reshape(B, K, G * bq, bk)
+                seen = visible_keys(mask)  # [B, 1, bk, 1]
+                k_blk = jnp.where(jnp.swapaxes(seen, 2, 3), k_blk, 0)
+                v_blk = jnp.where(seen, v_blk, 0)
+            products = mm(q_blk, k_blk)  # [B, K, R, bk] float32, unscaled
+            if not masked:
+                return _update_unmasked(st, products, v_blk, cfg)
+            s = cap_logits(cfg, products)[0].reshape(B, K, G, bq, bk)
+            s = apply_mask(s, mask).reshape(B, K, R, bk)
             return update_online_softmax(st, s, v_blk)
 
         def step(j, st):
             return lax.switch(
-                summ.kind(cfg, i, j),
+                kinds[i, j],
                 [lambda st: st, lambda st: visit(j, st, False), lambda st: visit(j, st, True)],
                 st,
             )
 
         block = OnlineSoftmax(
-            acc=dslice(state.acc, i * bq, bq, 3).reshape(B, K, G * bq, H),
-            m=dslice(state.m, i * bq, bq, 3).reshape(B, K, G * bq),
-            l=dslice(state.l, i * bq, bq, 3).reshape(B, K, G * bq),
+            acc=dslice(state.acc, i * bq, bq, 3).reshape(B, K, R, H),
+            m=dslice(state.m, i * bq, bq, 3).reshape(B, K, R),
+            l=dslice(state.l, i * bq, bq, 3).reshape(B, K, R),
         )
-        block = lax.fori_loop(0, nk, step, block)
+        lo, hi = live_range(kinds[i] != EMPTY)
+        block = lax.fori_loop(lo, hi, step, block)
         return OnlineSoftmax(
             acc=lax.dynamic_update_slice_in_dim(
                 state.acc, block.acc.reshape(B, K, G, bq, H), i * bq, 3
@@ -116,6 +133,25 @@ def _update_forward(
 
     axes = varying_axes(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
     return lax.fori_loop(0, nq, one_q_block, cast_varying(state, axes))
+
+
+def _update_unmasked(st: OnlineSoftmax, products, v_blk, cfg: KernelConfig) -> OnlineSoftmax:
+    """:func:`update_online_softmax` for a block with no mask, from unscaled products.
+
+    Scaling and soft-capping are monotone (increasing for ``scale >= 0``), so the row max of
+    the logits is taken from the raw products (of their min for a negative scale) and only
+    that ``[..., R]`` vector is scaled: the logits themselves are formed inside the ``exp``,
+    never stored as a separate ``[R, bk]`` array before the reduction.
+    """
+    extreme = jnp.max(products, axis=-1) if cfg.scale >= 0 else jnp.min(products, axis=-1)
+    m_new = jnp.maximum(st.m, cap_logits(cfg, extreme)[0])
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    p = jnp.exp(cap_logits(cfg, products)[0] - m_safe[..., None])
+    alpha = jnp.exp(st.m - m_safe)
+    pv = jnp.matmul(p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+    return OnlineSoftmax(
+        acc=st.acc * alpha[..., None] + pv, m=m_new, l=st.l * alpha + jnp.sum(p, axis=-1)
+    )
 
 
 def forward_heads_major(qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig):

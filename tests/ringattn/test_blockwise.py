@@ -294,3 +294,28 @@ def test_errors(args, kwargs, match):
 def test_block_size_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BlockSizes(**kwargs)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 0.3])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_explicit_scales_of_either_sign(scale, softcap):
+    # Unmasked blocks take their row max from the raw products (the min for a negative
+    # scale), masked ones from the masked logits. Every other key gets a logit near -100 and
+    # the rest near 0, so a stabiliser taken from the wrong end of a row overflows exp.
+    q, k, v = _inputs(1, 24, 32, 4, 2, 8, jnp.float32, seed=3)
+    far = -100.0 / (8 * scale) if scale else 0.0
+    offsets = jnp.where(jnp.arange(32) % 2 == 1, far, 0.0)[None, :, None, None]
+    q = 1.0 + 0.05 * q
+    k = offsets + 0.05 * k
+    kw = dict(scale=scale, softcap=softcap, causal=True)
+    fast = functools.partial(blockwise_attention, block_sizes=BlockSizes(8, 8))
+    out, lse = fast(q, k, v, **kw)
+    want, want_lse = attention_reference(q, k, v, **kw)
+    assert_close(out, want, dtype=jnp.float32, what="out")
+    assert_close(lse, want_lse, dtype=jnp.float32, what="lse")
+    grads = jax.grad(functools.partial(_loss, fast, kw=kw), argnums=(0, 1, 2))(q, k, v)
+    wants = jax.grad(functools.partial(_loss, attention_reference, kw=kw), argnums=(0, 1, 2))(
+        q, k, v
+    )
+    for name, g, w in zip("qkv", grads, wants, strict=True):
+        assert_close(g, w, dtype=jnp.float32, grad=True, what=f"d{name}")
