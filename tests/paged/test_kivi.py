@@ -577,7 +577,10 @@ def test_window_option_errors():
         paged_attention(q, wrong[0], cache.v_pages[0], cache.page_table, cache.lengths)
 
 
-@pytest.mark.parametrize("residual", [4, 6, 9])
+@pytest.mark.parametrize(
+    "residual",
+    [pytest.param(4, marks=pytest.mark.slow), 6, pytest.param(9, marks=pytest.mark.slow)],
+)
 def test_window_keeps_the_recent_pages_exact_in_any_chunking(residual):
     fmt = KVFormat("kivi2", residual=residual)
     base = _cache(fmt=fmt)
@@ -611,7 +614,7 @@ def test_window_keeps_the_recent_pages_exact_in_any_chunking(residual):
     "options",
     [{}, {"causal": True, "window": 5}, pytest.param({"softcap": 2.0}, marks=pytest.mark.slow)],
 )
-@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_paged_attention_reads_the_window_exactly(options, T):
     # Oracle: attention over a float cache holding _expected_kv (exact window, stored pages
     # below it), against paged_attention over the kivi2 window cache.

@@ -78,15 +78,22 @@ def _loss(fn, q, k, v, kw):
 
 
 # Every case in both dtypes under jit; two cases also eagerly (op-by-op outside any jit).
+# bfloat16 under jit runs with the slow tests (CI runs them): the default suite's budget.
 MATRIX = [(case, dtype, True) for case in sorted(CASES) for dtype in (jnp.float32, jnp.bfloat16)]
 MATRIX += [("gqa-causal-window", jnp.float32, False), ("mqa-softcap", jnp.bfloat16, False)]
+PARAMS = [
+    pytest.param(
+        c,
+        d,
+        j,
+        id=f"{c}-{jnp.dtype(d).name}-{'jit' if j else 'eager'}",
+        marks=[pytest.mark.slow] if j and d == jnp.bfloat16 else [],
+    )
+    for c, d, j in MATRIX
+]
 
 
-@pytest.mark.parametrize(
-    ("case", "dtype", "use_jit"),
-    MATRIX,
-    ids=[f"{c}-{jnp.dtype(d).name}-{'jit' if j else 'eager'}" for c, d, j in MATRIX],
-)
+@pytest.mark.parametrize(("case", "dtype", "use_jit"), PARAMS)
 def test_forward_and_gradients_match_reference(case, dtype, use_jit):
     B, T, S, N, K, H, opts = CASES[case]
     q, k, v = _inputs(B, T, S, N, K, H, dtype)
@@ -181,6 +188,7 @@ def test_memory_is_linear_not_quadratic():
     assert big / small < 6.0, (small, big)  # linear (4x), not quadratic (16x)
 
 
+@pytest.mark.slow  # ~40 s on 2 cores (compiles per example); CI runs it with the slow tests
 @settings(max_examples=10, deadline=None)
 @given(
     B=st.integers(1, 2),
@@ -296,8 +304,11 @@ def test_block_size_errors(kwargs, match):
         BlockSizes(**kwargs)
 
 
-@pytest.mark.parametrize("scale", [-0.7, 0.0, 0.3])
-@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize(
+    ("softcap", "scale"),
+    [(None, -0.7)] + [pytest.param(c, s, marks=pytest.mark.slow) for c, s in
+                      [(None, 0.0), (None, 0.3), (2.0, -0.7), (2.0, 0.0), (2.0, 0.3)]],
+)  # fmt: skip
 def test_explicit_scales_of_either_sign(scale, softcap):
     # Unmasked blocks take their row max from the raw products (the min for a negative
     # scale), masked ones from the masked logits. Every other key gets a logit near -100 and

@@ -239,14 +239,19 @@ ARANGE = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
 GAPPED = 2 * ARANGE + 3
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+_SLOW = pytest.mark.slow  # the default suite keeps one case per axis type
+
+
+@pytest.mark.parametrize(
+    "axis_type", [AxisType.Explicit, pytest.param(AxisType.Auto, marks=_SLOW)]
+)  # fmt: skip
 @pytest.mark.parametrize(
     "kind,hops",
     [
-        ("default", WINDOW_HOPS),  # no positions: the ring derives them and prunes
+        pytest.param("default", WINDOW_HOPS, marks=_SLOW),  # no positions: the ring prunes
         ("arange", WINDOW_HOPS),  # given (numpy), concrete and equal to the default: pruned
-        ("arange-jax", WINDOW_HOPS),  # the same as a concrete jax.Array
-        ("arange-traced", 7),  # an argument of the outer jit: unreadable, every hop runs
+        pytest.param("arange-jax", WINDOW_HOPS, marks=_SLOW),  # the same as a jax.Array
+        pytest.param("arange-traced", 7, marks=_SLOW),  # traced: unreadable, every hop runs
         ("gapped", 7),  # not the default: every hop may hold a visible key
     ],
 )
