@@ -14,8 +14,8 @@ n     pages moved by one call
 Pools are ``k_pages, v_pages [L, K, P, C, H]`` (or ``[K, P, C, H]`` per layer); tiers are
 device memory, pinned host memory and disk. Quantized pools (``paged.QuantizedPages``, int8,
 fp8, int4 or kivi2) move through every tier as they are stored: data and scale pages (kivi2:
-and zero-point pages) together, bytes counted for all; a kivi2 pool's residual pages (one open
-page per sequence) stay on the device.
+and zero-point pages) together, bytes counted for all; a kivi2 pool's residual window (each
+sequence's most recent pages) stays on the device.
 
 Transfers take their source first, then their destination, and all return a
 :class:`TransferHandle` whose ``value`` is what was written: ``to_host(tree)``,

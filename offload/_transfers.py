@@ -41,9 +41,9 @@ the same format (build it with :func:`~offload.make_host_page_pool` from the dev
 ``nbytes`` counts data plus scales plus zero-points (``paged.KVFormat.bytes_per_token``:
 ``H + 4`` bytes per token per kv head for int8 / fp8, about half of bf16; ``H / 2 + 2 H / g``
 for int4, about 0.28 of bf16; kivi2 keys ``H / 4 + 4 H / C``, values ``H / 4 + 4``). A kivi2
-pool's residual pages (each sequence's open page, float32, one per sequence row) stay on the
-device: the host pool has none, :func:`page_in` keeps the device pool's residual as it is, and
-a page out of any page id copies just its stored leaves. Float and quantized pools, or two
+pool's residual window (each sequence's most recent pages, float32, per sequence row) stays
+on the device: the host pool has none, :func:`page_in` keeps the device pool's residual as it
+is, and a page out of any page id copies just its stored leaves. Float and quantized pools, or two
 formats, never mix (``ValueError``).
 """
 

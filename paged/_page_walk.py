@@ -170,7 +170,7 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
         kb = take_block(k_pages, ids, span)
         vb = take_block(v_pages, ids, span)
         kv_pos = j * span + jnp.arange(span, dtype=jnp.int32)
-        if residual_k is not None:  # kivi2: the open page is read from the residual
+        if residual_k is not None:  # kivi2: window pages are read from the residual
             kb = _kivi.substitute_residual(kb, residual_k, kv_pos, k_pages.residual_len, C)
             vb = _kivi.substitute_residual(vb, residual_v, kv_pos, v_pages.residual_len, C)
         token_ok = jnp.repeat(page_ok, C) & (kv_pos < length)  # [span]

@@ -69,7 +69,7 @@ def local_partial(
     offset = jax.lax.axis_index(seq_axis) * capacity
     local_lengths = jnp.clip(lengths - offset, 0, capacity)
     # A kivi2 residual window (replicated) counts in this device's token range, like lengths.
-    k_pages, v_pages = (_local_residual(pool, offset, capacity) for pool in (k_pages, v_pages))
+    k_pages, v_pages = (_local_residual(pool, offset) for pool in (k_pages, v_pages))
     opts = kernel_options(
         "sharded_paged_attention", mask, N, H, ppb, page_table.shape[1], page_mass
     )
@@ -89,11 +89,10 @@ def _pool_specs(pool, pool_spec):
     )
 
 
-def _local_residual(pool, offset, capacity):
+def _local_residual(pool, offset):
     """A kivi2 pool's window in this device's local positions: the written length shifted
     by ``offset`` (left unclipped, so a window straddling two devices is read by both), the
     ring of ``W`` page slots rotated so local page ``j`` is in slot ``j % W``."""
-    del capacity
     if getattr(pool, "residual", None) is None:
         return pool
     *lead, WC, H = pool.residual.shape
