@@ -254,6 +254,13 @@ def _window_hops(n: int, T: int, S: int, mask: MaskSpec, layout: str, default_po
     return n - 1
 
 
+def _hops(n, T, S, mask, layout, default_pos, bound) -> int:
+    if n == 1:
+        return 0
+    derived = _window_hops(n, T, S, mask, layout, default_pos)
+    return derived if bound is None else min(derived, bound)
+
+
 def _layout_block_sizes(block_sizes: BlockSizes, layout: str, T: int, S: int) -> BlockSizes:
     """With ``"zigzag"``, blocks no larger than one chunk, so the kernel can skip chunk pairs."""
     if layout != "zigzag":
@@ -417,10 +424,13 @@ def ring_local(
     seq_axis,
     *,
     hop_format: str | None = None,
+    hops: int | None = None,
 ):
     """The ring on validated inputs: ``(out, lse)``; positions None take the layout default.
 
     ``windows``: ``[N]`` per-head windows of THESE query heads (traced or numpy), or None.
+    ``hops``: at most this many hops after the local one can reach a visible key (the caller
+    read it off concrete positions); None: what the ring derives itself.
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -435,7 +445,7 @@ def ring_local(
     plan = _RingPlan(
         seq_axis=seq_axis,
         num_shards=n,
-        hops=_window_hops(n, T, S, spec, layout, default_pos) if n > 1 else 0,
+        hops=_hops(n, T, S, spec, layout, default_pos, hops),
         mask=spec,
         block_sizes=_layout_block_sizes(block_sizes, layout, T, S),
         hop_format=hop_format,

@@ -21,6 +21,7 @@ Sinks join the softmax once, at the end of each shard's computation; keys no que
 have no effect in any strategy, even if they hold NaN or inf.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -33,7 +34,7 @@ from jaxtyping import Array, Float
 from ringattn._blockwise import BlockSizes, empty_attention
 from ringattn._checks import FloatLike, IntLike, fail
 from ringattn._hop_format import check_hop_format
-from ringattn._layout import LAYOUTS
+from ringattn._layout import LAYOUTS, to_layout
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
 from ringattn._strategies import Plan, body, default_positions
@@ -98,39 +99,58 @@ def _sharded(q, k, v, qs, ks, qp, kp, sinks, plan: Plan):
     return fn(*args)
 
 
-def _is_default(x, B: int, length: int) -> bool:
-    """``x`` is None or concrete ``[B, length]`` positions ``arange(length)`` on every row."""
-    if x is None:
-        return True
+def _concrete(x) -> np.ndarray | None:
+    """``x`` as a host array if it can be read here (not traced, all shards addressable)."""
     if isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True):
-        return False  # traced (under an outer jit) or not all here: cannot tell, keep it
-    default = np.broadcast_to(np.arange(length, dtype=np.int32), (B, length))
-    return bool(np.array_equal(np.asarray(x), default))
+        return None
+    return np.asarray(x)
 
 
-def _ring_positions(
-    given: Positions | None, pos: Positions, plan: Plan, B: int, T: int, S: int
-) -> Positions:
-    """Positions for the strategy body; concrete default ones dropped where the ring prunes.
+def _shard_ranges(pos: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[B, n]`` min and max position of each row's chunk on each ring shard (``[B, L]``)."""
+    chunks = pos.reshape(pos.shape[0], n, -1).astype(np.int64)
+    return chunks.min(axis=2), chunks.max(axis=2)
 
-    The ring skips the hops whose key block lies outside every local query's window only for
-    positions it derives itself (causal, a window, the contiguous layout): explicit
-    positions could put any key anywhere. Positions given concretely that equal the default
-    (``arange`` in the contiguous layout) are the same keys at the same places, so they are
-    dropped and the ring prunes; traced positions (``sharded_attention`` under an outer
-    ``jit``) cannot be read and are kept (every hop runs, the result is the same).
-    ``given`` are the caller's positions (numpy or jax arrays, checked), ``pos`` the checked
-    int32 ones (which may already be staged under a trace even for numpy input).
+
+def _ring_hops(given: Positions | None, plan: Plan, B: int, T: int, S: int) -> int | None:
+    """The ring hops that can reach a visible key, from concrete positions; None: every hop.
+
+    At hop ``t`` ring member ``d`` holds the keys of member ``(d - t) % n``. A hop is live if
+    for some row and some ``d`` the ranges of the row's query positions ``[qmin, qmax]`` on
+    ``d`` and of its arriving key positions ``[kmin, kmax]`` allow a visible pair: ``kmin <=
+    qmax`` when causal, and ``kmax > qmin - w`` for the widest window ``w``. Ranges only
+    over-approximate the visible pairs, so a hop this drops holds no visible key; the ring
+    runs hops ``1 .. t_max``, where ``t_max`` is the last live one. Positions left to the
+    layout's defaults are computed here; traced positions (an outer ``jit``) cannot be
+    read, and every hop runs.
     """
-    prunable = (
-        plan.strategy in ("ring", "usp")
-        and plan.layout == "contiguous"
-        and plan.mask.causal
-        and plan.mask.widest_window is not None
-    )
-    if prunable and (given is None or (_is_default(given.q, B, T) and _is_default(given.kv, B, S))):
-        return Positions(None, None)
-    return pos
+    n = plan.layout_shards
+    mask = plan.mask
+    if plan.strategy not in ("ring", "usp") or n == 1:
+        return None
+    if not mask.causal and mask.widest_window is None:
+        return None  # every key is visible to some query on every hop
+    read = []
+    for x, L in ((None if given is None else given.q, T), (None if given is None else given.kv, S)):
+        if x is None:  # the layout's default positions
+            with jax.ensure_compile_time_eval():  # host values even under an outer trace
+                x = to_layout(np.arange(L, dtype=np.int32)[None], plan.layout, num_shards=n)
+        x = _concrete(x)
+        if x is None:
+            return None
+        read.append(_shard_ranges(np.broadcast_to(x, (B, L)), n))
+    (qmin, qmax), (kmin, kmax) = read
+    live = 0
+    for t in range(1, n):
+        src = (np.arange(n) - t) % n  # whose keys each member holds at hop t
+        ok = np.ones(qmin.shape, dtype=bool)
+        if mask.causal:
+            ok &= kmin[:, src] <= qmax
+        if mask.widest_window is not None:
+            ok &= kmax[:, src] > qmin - mask.widest_window
+        if ok.any():
+            live = t
+    return live
 
 
 def sharded_attention(
@@ -201,10 +221,10 @@ def sharded_attention(
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` in layout order.
       positions: :class:`ringattn.Positions` (global positions in layout order); default:
         the positions the layout puts there (``to_layout(arange(T))``). Strategies
-        ``"ring"`` and ``"usp"`` with ``causal``, a ``window`` and the contiguous layout skip
-        the ring hops whose keys lie outside every local query's window; given explicitly,
-        positions keep that pruning only when concrete and equal to the default (traced
-        ones, under an outer ``jit``, run every hop: same result, more transfers).
+        ``"ring"`` and ``"usp"`` with ``causal`` and / or a ``window`` stop the ring after
+        the last hop that can bring a visible key, read off each row's per-shard position
+        ranges (any layout; default or concrete positions). Traced positions (under an outer
+        ``jit``) cannot be read: every hop runs (same result, more transfers).
       sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the local kernel.
       hop_format: ``"ring"`` and ``"usp"`` only: None (exact), or ``"int8"`` / ``"fp8"``
@@ -355,6 +375,6 @@ def sharded_attention(
         num_heads=N,
         hop_format=hop_format,
     )
+    plan = dataclasses.replace(plan, ring_hops=_ring_hops(positions, plan, B, T, S))
     qs, ks = (None, None) if seg is None else seg
-    pos = _ring_positions(positions, pos, plan, B, T, S)
     return _sharded(q, k, v, qs, ks, pos.q, pos.kv, sinks, plan)

@@ -38,6 +38,7 @@ class Plan:
     block_sizes: BlockSizes | None
     num_heads: int  # global query heads N (per-head windows are sliced per device)
     hop_format: str | None = None  # "ring" / "usp": quantized K/V hops ("int8", "fp8")
+    ring_hops: int | None = None  # "ring" / "usp": hops that can reach a visible key (None: all)
 
     @property
     def seq_spec(self):
@@ -94,6 +95,7 @@ def _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan: Plan):
         sizes,
         plan.seq_axis,
         hop_format=plan.hop_format,
+        hops=plan.ring_hops,
     )
 
 

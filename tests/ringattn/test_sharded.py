@@ -252,14 +252,24 @@ _SLOW = pytest.mark.slow  # the default suite keeps one case per axis type
         ("arange", WINDOW_HOPS),  # given (numpy), concrete and equal to the default: pruned
         pytest.param("arange-jax", WINDOW_HOPS, marks=_SLOW),  # the same as a jax.Array
         pytest.param("arange-traced", 7, marks=_SLOW),  # traced: unreadable, every hop runs
-        ("gapped", 7),  # not the default: every hop may hold a visible key
+        ("gapped", 1),  # 2 p + 3: shards span 8 positions, only hop 1 reaches the window
+        pytest.param("offset", WINDOW_HOPS, marks=_SLOW),  # p + 1000: the default's ranges
+        pytest.param("slow-row", 3, marks=_SLOW),  # row 1 at p // 2: its window spans 3 hops
     ],
 )
 def test_window_prunes_hops(axis_type, kind, hops):
     """Causal + window + contiguous ring: the hops run (forward ``h``; gradient ``3 h + 1``:
     the forward again, the backward's K/V and dK/dV hops and one shift home) and the result,
     forward and gradients, against the float32 reference."""
-    given = {"default": None, "gapped": GAPPED, "arange-jax": jnp.asarray(ARANGE)}.get(kind, ARANGE)
+    slow_row = ARANGE.copy()
+    slow_row[1] = ARANGE[1] // 2  # two tokens per position: shards span 2 positions
+    given = {
+        "default": None,
+        "gapped": GAPPED,
+        "arange-jax": jnp.asarray(ARANGE),
+        "offset": ARANGE + 1000,
+        "slow-row": slow_row,
+    }.get(kind, ARANGE)
     traced = kind == "arange-traced"
     mesh = make_test_mesh((8,), ("s",), axis_type=axis_type)
     q, k, v, _ = make_inputs(4, 2, False, "float32", seed=2)
@@ -292,6 +302,69 @@ def test_window_prunes_hops(axis_type, kind, hops):
         pos = Positions(expected_pos, expected_pos)
         return attention_reference(q, k, v, causal=True, window=WINDOW, positions=pos)
 
+    ref_out, ref_lse, ref_grads = forward_and_grads(ref)(q, k, v)
+    assert_close(out, ref_out, dtype=jnp.float32, what="out")
+    assert_close(lse, ref_lse, dtype=jnp.float32, what="lse")
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(g, r, dtype=jnp.float32, grad=True, what=f"d{name}")
+
+
+def _visible_hops(q_pos, kv_pos, n, causal, window):
+    """Brute force: the hops ``t`` at which some query meets a visible key of shard ``d - t``."""
+    qp, kp = (np.asarray(x).reshape(x.shape[0], n, -1) for x in (q_pos, kv_pos))
+    hops = set()
+    for t in range(1, n):
+        for d in range(n):
+            qq = qp[:, d, :, None].astype(np.int64)
+            kk = kp[:, (d - t) % n, None, :].astype(np.int64)
+            ok = np.ones(np.broadcast_shapes(qq.shape, kk.shape), bool)
+            if causal:
+                ok &= kk <= qq
+            if window is not None:
+                ok &= kk > qq - window
+            if ok.any():
+                hops.add(t)
+    return max(hops, default=0)
+
+
+@pytest.mark.parametrize(
+    "seed,strategy,causal,window",
+    [
+        (0, "ring", True, 5),
+        pytest.param(1, "ring", False, 7, marks=_SLOW),
+        pytest.param(2, "usp", True, 9, marks=_SLOW),
+        pytest.param(3, "ring", True, None, marks=_SLOW),
+        pytest.param(4, "usp", False, 3, marks=_SLOW),
+    ],
+)
+def test_hops_from_random_positions(seed, strategy, causal, window):
+    """Concrete random positions (random gaps, row 1 shuffled within each shard): the ring
+    keeps every hop that holds a visible key (brute force over all pairs), and the result,
+    forward and gradients, matches the float32 reference at those positions."""
+    rng = np.random.default_rng(seed)
+    n_ring = 4 if strategy == "usp" else 8
+    mesh = (
+        make_test_mesh((2, 4), ("u", "r"))
+        if strategy == "usp"
+        else make_test_mesh((8,), ("s",), axis_type=AxisType.Explicit)
+    )
+    seq_axis = ("u", "r") if strategy == "usp" else "s"
+    q, k, v, _ = make_inputs(4, 2, False, "float32", seed=seed)
+    pos = np.cumsum(rng.integers(1, 4, size=(B, T)), axis=1).astype(np.int32)
+    chunks = pos[1].reshape(n_ring, -1)  # row 1: no order inside each ring shard
+    pos[1] = rng.permuted(chunks, axis=1).reshape(-1)
+    positions = Positions(pos, pos)
+    f = lambda q, k, v: sharded_attention(
+        q, k, v, mesh=mesh, seq_axis=seq_axis, strategy=strategy, causal=causal,
+        window=window, positions=positions,
+    )  # fmt: skip
+    hops = count_executed(jax.make_jaxpr(f)(q, k, v).jaxpr, "ppermute")
+    assert _visible_hops(pos, pos, n_ring, causal, window) <= hops <= n_ring - 1
+    assert hops < n_ring - 1 or window is None or not causal, hops  # the window prunes
+    out, lse, grads = jax.jit(forward_and_grads(f))(q, k, v)
+    ref = lambda q, k, v: attention_reference(
+        q, k, v, causal=causal, window=window, positions=positions
+    )
     ref_out, ref_lse, ref_grads = forward_and_grads(ref)(q, k, v)
     assert_close(out, ref_out, dtype=jnp.float32, what="out")
     assert_close(lse, ref_lse, dtype=jnp.float32, what="lse")
