@@ -33,8 +33,8 @@ Printed: bytes resident per device and memory kind (from the shards of ``jax.liv
 ``Device.memory_stats()`` is ``None`` on CPU), pinned-host bytes, the process's RSS and peak
 RSS (``/proc/self/status``), time per decode step, time to fetch all cold pages, max error.
 
-Run from the repository root: ``python -m benchmarks.bench_million`` (about N minutes on 2
-cores, see ``benchmarks/results/million.md``), ``--quick`` (131,072 tokens, writes
+Run from the repository root: ``python -m benchmarks.bench_million`` (about a minute on 2
+shared cores, 2.5 GiB peak RSS: ``benchmarks/results/million.md``), ``--quick`` (131,072 tokens, writes
 ``benchmarks/results/quick/million.md``) or ``--tiny`` (16,384 tokens, seconds;
 ``benchmarks/results/quick/million_tiny.md``).
 """
