@@ -415,17 +415,18 @@ def process_memory() -> dict[str, int]:
 def memory_lines(layout: Layout, staging_peak: int) -> list[str]:
     resident = resident_bytes()
     stats = jax.devices()[0].memory_stats()
-    rows = [
-        "| device | device memory MiB (at rest) | + staging during a step MiB | pinned_host MiB |",
-        "|---|---:|---:|---:|",
-    ]
+    header = (
+        "| device | device memory MiB (at rest) | + staging during a step MiB | pinned_host MiB |"
+    )
+    rows = [header + (" memory_stats bytes_in_use MiB |" if stats else ""), "|---|---:|---:|---:|"]
+    rows[1] += "---:|" if stats else ""
     for device in jax.devices()[:DEVICES]:
         on_device = resident.get((device.id, "device"), 0)
         pinned = resident.get((device.id, "pinned_host"), 0)
-        rows.append(
-            f"| {device.id} | {on_device / MiB:.2f} | {staging_peak / MiB:.2f} "
-            f"| {pinned / MiB:.2f} |"
-        )
+        row = f"| {device.id} | {on_device / MiB:.2f} | {staging_peak / MiB:.2f} | {pinned / MiB:.2f} |"
+        if stats:  # an accelerator's allocator (None on CPU)
+            row += f" {(device.memory_stats() or {}).get('bytes_in_use', 0) / MiB:.2f} |"
+        rows.append(row)
     dev_total = sum(b for (_, kind), b in resident.items() if kind == "device")
     host_total = sum(b for (_, kind), b in resident.items() if kind == "pinned_host")
     process = process_memory()

@@ -346,7 +346,7 @@ def test_bench_million_reference_is_dense_attention(tokens):
             np.testing.assert_allclose(lse[t, n], want_lse, rtol=1e-12)
 
 
-@pytest.mark.slow  # ~15-20 s on 2 shared cores: eight devices' page copies compile
+@pytest.mark.slow  # 18-30 s on 2 shared cores: the eight devices' page copies compile
 def test_bench_million_tiny_run_is_exact_with_an_80_20_split(tmp_path):
     """``--tiny`` end to end in its own process (8 CPU devices before JAX): the decode over
     device pages plus fetched host pages matches the float64 reference within tolerance, and
