@@ -30,6 +30,7 @@ SCRIPTS = (
     "bench_train",
     "bench_decode",
     "bench_kvquant",
+    "bench_million",  # --quick: 131,072 tokens, about 20 s
     "bench_gaps",  # last: the issue-12 gap table and the scaling per doubling, its own sizes
 )
 QUICK_TIMEOUTS = {"bench_gaps": 600.0}  # seconds with --quick where 300 is too short

@@ -276,3 +276,98 @@ def test_paper_ring_port_matches_the_reference(causal):
     want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
     for name, g, w in zip("qkv", got, want, strict=True):
         assert_close(g, w, dtype=jnp.float32, grad=True, what=f"d{name}")
+
+
+# ------------------------------------------------------------------------------------------
+# bench_million: the bookkeeping, the float64 reference, and the --tiny run end to end
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens, chunks", [(2**14, 4), (2**14, 1), (2**15, 3), (2**17, 4)])
+def test_bench_million_layout_places_every_page_once(tokens, chunks):
+    """Every page-table column is in exactly one tier; 20% stay on the device (to a page per
+    device), the open page among them; host slots are distinct, on their page's device, never
+    a chunk's null slot; each chunk's table points at the slots that chunk fetches."""
+    from benchmarks import bench_million as bm
+
+    layout = bm.Layout(tokens, chunks)
+    D, M_d = bm.DEVICES, layout.per_device
+    hot, cold = layout.hot_table().reshape(D, M_d), np.zeros((D, M_d), np.int64)
+    counts = [len(h) for h in layout.hot]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == round(0.2 * layout.pages)
+    assert hot[-1, -1] != 0  # the open page stays on the device
+    for d in range(D):  # device pool ids: 1 .. count, each once
+        assert sorted(hot[d][hot[d] > 0]) == list(range(1, counts[d] + 1))
+    ids, slots = layout.page_out_ids()
+    assert len(np.unique(slots)) == len(slots) == layout.cold_pages
+    assert np.array_equal(ids // (M_d + 1), slots // layout.slots_per_device)  # same device
+    local_slots = slots % layout.slots_per_device
+    assert np.all(local_slots % (layout.chunk_width + 1) != 0)  # null slots stay empty
+    slot_of = {int(i): int(s) for i, s in zip(ids, slots, strict=True)}
+    batches = list(layout.page_out_batches(per_device=5))
+    got = np.concatenate([b[0] for b in batches])
+    assert sorted(got.tolist()) == sorted(ids.tolist())
+    for batch_ids, batch_slots in batches:
+        assert np.bincount(batch_ids // (M_d + 1), minlength=D).max() <= 5
+        assert [slot_of[int(i)] for i in batch_ids] == batch_slots.tolist()
+    gather = layout.hot_gather_ids().reshape(D, layout.hot_capacity)
+    for chunk in range(chunks):
+        table = layout.chunk_table(chunk).reshape(D, M_d)
+        fetched = layout.chunk_slots(chunk).reshape(D, layout.chunk_width + 1)
+        for d in range(D):
+            for column in np.flatnonzero(table[d]):
+                page_id = d * (M_d + 1) + 1 + column
+                assert fetched[d, table[d, column]] == slot_of[page_id]
+        cold += table > 0
+    assert np.array_equal((hot > 0).astype(int) + cold, np.ones((D, M_d), int))
+    for d in range(D):  # the device pool holds the kept pages, in table order
+        kept = np.flatnonzero(hot[d])
+        assert np.array_equal(gather[d, hot[d, kept]], kept + 1)
+
+
+@pytest.mark.parametrize("tokens", [64, 1024, 4096])
+def test_bench_million_reference_is_dense_attention(tokens):
+    """The chunked float64 reference (running lse merge) equals dense softmax attention over
+    the same generated pages, for lengths from one token to the whole cache."""
+    from benchmarks import bench_million as bm
+
+    steps = 4
+    q = bm.queries(steps)
+    lengths = np.array([1, tokens // 3 + 1, tokens - 1, tokens])
+    out, lse = bm.reference(tokens, q, lengths, block_pages=3)
+    kv = np.concatenate([bm.page_kv(p) for p in range(tokens // bm.C)], axis=2)
+    kv = kv.astype(np.float64)  # [2, K, S, H]
+    G = bm.N // bm.K
+    for t in range(steps):
+        for n in range(bm.N):
+            k, v = kv[0, n // G, : lengths[t]], kv[1, n // G, : lengths[t]]
+            logits = k @ q[t, n].astype(np.float64) / np.sqrt(bm.H)
+            want_lse = np.log(np.sum(np.exp(logits - logits.max()))) + logits.max()
+            want = np.exp(logits - want_lse) @ v
+            np.testing.assert_allclose(out[t, n], want, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(lse[t, n], want_lse, rtol=1e-12)
+
+
+@pytest.mark.slow  # 18-30 s on 2 shared cores: the eight devices' page copies compile
+def test_bench_million_tiny_run_is_exact_with_an_80_20_split(tmp_path):
+    """``--tiny`` end to end in its own process (8 CPU devices before JAX): the decode over
+    device pages plus fetched host pages matches the float64 reference within tolerance, and
+    the printed split is 80% of pages (and bytes) on pinned host, 20% on device, per device."""
+    import re
+
+    out = tmp_path / "million.md"
+    command = [sys.executable, "-m", "benchmarks.bench_million", "--tiny", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    relative = float(re.search(r"relative ([0-9.e+-]+)\); max \|lse", text).group(1))
+    lse_err = float(re.search(r"max \|lse - ref\| = ([0-9.e+-]+)", text).group(1))
+    assert relative <= 1e-4 and lse_err <= 1e-4, (relative, lse_err)
+    for what in ("pages", "bytes"):
+        host, device = map(
+            float, re.search(rf"host/device = ([0-9.]+)% / ([0-9.]+)% of {what}", text).groups()
+        )
+        assert abs(host - 80) <= 1 and abs(device - 20) <= 1 and abs(host + device - 100) < 0.2
+    rows = re.findall(r"^\| (\d) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|$", text, re.M)
+    assert [int(r[0]) for r in rows] == list(range(8))
+    for _, on_device, _, pinned in rows:  # every device holds both tiers, 4:1
+        assert 3.5 <= float(pinned) / float(on_device) <= 4.5, (on_device, pinned)
+    assert "within the float32 tolerance" in text and "decode step" in text
