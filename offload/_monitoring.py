@@ -223,7 +223,7 @@ class MetricsReport(NamedTuple):
       snapshot: this call's inputs, to pass as ``previous`` next time.
     """
 
-    metrics: dict[str, float]
+    metrics: dict[str, int | float]
     alerts: tuple[Alert, ...]
     snapshot: MetricsSnapshot
 
@@ -397,7 +397,7 @@ def compute_metrics(
     offload, elapsed_seconds = _check_inputs(
         fn, allocator, offload, previous, elapsed_seconds, config
     )
-    metrics: dict[str, float] = {}
+    metrics: dict[str, int | float] = {}
     checks: list[tuple[str, float, float | None, str, str, bool]] = []
     if allocator is not None:
         before = previous.allocator if previous is not None else None

@@ -158,7 +158,11 @@ def _sample_line(name: str, labels, value) -> str:
     return f"{name}{{{inner}}} {_format_value(value)}"
 
 
-def to_prometheus(metrics: Mapping[str, float], *, labels: Mapping[str, str] | None = None) -> str:
+def to_prometheus(
+    metrics: Mapping[str, int | float | np.integer | np.floating],
+    *,
+    labels: Mapping[str, str] | None = None,
+) -> str:
     """Prints a flat metrics dict in the Prometheus text exposition format 0.0.4.
 
     Families are printed in the order their first sample appears; types and help texts come
