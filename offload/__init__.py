@@ -51,8 +51,8 @@ from offload._transfers import page_in, page_out, prefetch_layer
 
 # monitoring
 # isort: split
+from offload._metric_families import METRIC_FAMILIES
 from offload._monitoring import (
-    METRIC_FAMILIES,
     Alert,
     MetricsConfig,
     MetricsReport,

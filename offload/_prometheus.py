@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from offload._monitoring import METRIC_FAMILIES
+from offload._metric_families import METRIC_FAMILIES
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "escape_label_value", "to_prometheus"]
 
