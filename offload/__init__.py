@@ -49,6 +49,26 @@ from offload._stats import DIRECTIONS, TIERS, OffloadStats, TransferTotals
 from offload._tiers import TransferHandle, host_memory_kind, ready, to_device, to_host, wait
 from offload._transfers import page_in, page_out, prefetch_layer
 
+# monitoring
+# isort: split
+from offload._metric_families import METRIC_FAMILIES
+from offload._monitoring import (
+    Alert,
+    MetricsConfig,
+    MetricsReport,
+    MetricsSnapshot,
+    Monitor,
+    compute_metrics,
+)
+from offload._prometheus import PROMETHEUS_CONTENT_TYPE, escape_label_value, to_prometheus
+from offload._prompt_hygiene import (
+    PromptHygiene,
+    PromptSpan,
+    find_high_cardinality_spans,
+    replay_hit_rate,
+)
+from offload._stats import OffloadSnapshot
+
 __all__: list[str] = [
     # retention policies
     "POLICY_KINDS",
@@ -87,4 +107,20 @@ __all__: list[str] = [
     "to_device",
     "to_host",
     "wait",
+    # monitoring
+    "METRIC_FAMILIES",
+    "PROMETHEUS_CONTENT_TYPE",
+    "Alert",
+    "MetricsConfig",
+    "MetricsReport",
+    "MetricsSnapshot",
+    "Monitor",
+    "OffloadSnapshot",
+    "PromptHygiene",
+    "PromptSpan",
+    "compute_metrics",
+    "escape_label_value",
+    "find_high_cardinality_spans",
+    "replay_hit_rate",
+    "to_prometheus",
 ]

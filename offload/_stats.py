@@ -6,15 +6,24 @@ collapses: bytes resident per tier (overall and per request), and per direction
 transfers, bytes, seconds and transfers still in flight. Seconds of an asynchronous transfer
 run from issue to the moment its completion is observed (:meth:`OffloadManager.wait` or
 :meth:`OffloadManager.poll`), an upper bound on its true duration.
+
+The counters are host-side state that several threads may update (a prefetch thread, a
+scheduler): every method holds one lock, so concurrent ``record_*`` calls lose no update, and
+:meth:`OffloadStats.snapshot` returns one consistent, immutable :class:`OffloadSnapshot`
+(rates over a window come from two snapshots and the wall time between them, see
+:func:`offload.compute_metrics`).
 """
 
 import dataclasses
+import threading
+import types
+from collections.abc import Mapping
 
 import numpy as np
 
 from offload._checks import check_choice, check_float, check_int
 
-__all__ = ["DIRECTIONS", "TIERS", "OffloadStats", "TransferTotals"]
+__all__ = ["DIRECTIONS", "TIERS", "OffloadSnapshot", "OffloadStats", "TransferTotals"]
 
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
 TIERS = ("device", "host", "disk")
@@ -44,8 +53,23 @@ class TransferTotals:
         return self.nbytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class OffloadSnapshot:
+    """An immutable, consistent copy of an :class:`OffloadStats` (see :meth:`OffloadStats.snapshot`).
+
+    Attributes:
+      transfers: :data:`DIRECTIONS` -> :class:`TransferTotals` (read-only mapping).
+      tier_bytes: :data:`TIERS` -> bytes resident, all requests (read-only mapping).
+      num_requests: request ids with any tier bytes recorded.
+    """
+
+    transfers: Mapping[str, TransferTotals]
+    tier_bytes: Mapping[str, int]
+    num_requests: int
+
+
 class OffloadStats:
-    """Bytes per tier and transfer totals per direction (host-side, mutable counters).
+    """Bytes per tier and transfer totals per direction (host-side, mutable, thread-safe).
 
     Example:
       >>> stats = OffloadStats()
@@ -58,6 +82,7 @@ class OffloadStats:
         self._totals = {d: TransferTotals() for d in DIRECTIONS}
         self._tiers: dict[tuple[str, str | None], int] = {}
         self._request_bytes: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
 
     def record_issue(self, direction: str, nbytes: int | np.integer) -> None:
         """Counts a transfer as in flight until :meth:`record_transfer` with ``issued=True``.
@@ -67,10 +92,11 @@ class OffloadStats:
         """
         check_choice("OffloadStats.record_issue", "direction", direction, DIRECTIONS)
         nbytes = check_int("OffloadStats.record_issue", "nbytes", nbytes, low=0)
-        t = self._totals[direction]
-        self._totals[direction] = dataclasses.replace(
-            t, in_flight=t.in_flight + 1, in_flight_bytes=t.in_flight_bytes + nbytes
-        )
+        with self._lock:
+            t = self._totals[direction]
+            self._totals[direction] = dataclasses.replace(
+                t, in_flight=t.in_flight + 1, in_flight_bytes=t.in_flight_bytes + nbytes
+            )
 
     def record_transfer(
         self,
@@ -97,17 +123,18 @@ class OffloadStats:
         check_choice(fn, "direction", direction, DIRECTIONS)
         nbytes = check_int(fn, "nbytes", nbytes, low=0)
         seconds = check_float(fn, "seconds", seconds, low=0.0)
-        t = self._totals[direction]
-        self._totals[direction] = TransferTotals(
-            count=t.count + 1,
-            nbytes=t.nbytes + nbytes,
-            seconds=t.seconds + seconds,
-            in_flight=t.in_flight - int(issued),
-            in_flight_bytes=t.in_flight_bytes - (nbytes if issued else 0),
-        )
-        if request_id is not None:
-            key = (direction, request_id)
-            self._request_bytes[key] = self._request_bytes.get(key, 0) + nbytes
+        with self._lock:
+            t = self._totals[direction]
+            self._totals[direction] = TransferTotals(
+                count=t.count + 1,
+                nbytes=t.nbytes + nbytes,
+                seconds=t.seconds + seconds,
+                in_flight=t.in_flight - int(issued),
+                in_flight_bytes=t.in_flight_bytes - (nbytes if issued else 0),
+            )
+            if request_id is not None:
+                key = (direction, request_id)
+                self._request_bytes[key] = self._request_bytes.get(key, 0) + nbytes
 
     def add_tier_bytes(
         self, tier: str, delta: int | np.integer, *, request_id: str | None = None
@@ -123,14 +150,15 @@ class OffloadStats:
         check_choice(fn, "tier", tier, TIERS)
         delta = check_int(fn, "delta", delta)
         keys = [(tier, None)] + ([(tier, request_id)] if request_id is not None else [])
-        for key in keys:
-            if self._tiers.get(key, 0) + delta < 0:
-                raise ValueError(
-                    f"{fn}: delta: expected the {tier} bytes of {key[1] or 'all requests'} to "
-                    f"stay >= 0, got {self._tiers.get(key, 0)} + {delta}"
-                )
-        for key in keys:
-            self._tiers[key] = self._tiers.get(key, 0) + delta
+        with self._lock:
+            for key in keys:
+                if self._tiers.get(key, 0) + delta < 0:
+                    raise ValueError(
+                        f"{fn}: delta: expected the {tier} bytes of {key[1] or 'all requests'} "
+                        f"to stay >= 0, got {self._tiers.get(key, 0)} + {delta}"
+                    )
+            for key in keys:
+                self._tiers[key] = self._tiers.get(key, 0) + delta
 
     def tier_bytes(self, tier: str, *, request_id: str | None = None) -> int:
         """Bytes resident in ``tier`` (of one request when ``request_id`` is given).
@@ -139,7 +167,8 @@ class OffloadStats:
           ValueError: on an unknown tier.
         """
         check_choice("OffloadStats.tier_bytes", "tier", tier, TIERS)
-        return self._tiers.get((tier, request_id), 0)
+        with self._lock:
+            return self._tiers.get((tier, request_id), 0)
 
     def transfers(self, direction: str) -> TransferTotals:
         """Totals for one direction.
@@ -148,40 +177,66 @@ class OffloadStats:
           ValueError: on an unknown direction.
         """
         check_choice("OffloadStats.transfers", "direction", direction, DIRECTIONS)
-        return self._totals[direction]
+        with self._lock:
+            return self._totals[direction]
 
     def request_transfer_bytes(self, direction: str, request_id: str) -> int:
         """Bytes moved in ``direction`` for one request."""
         check_choice("OffloadStats.request_transfer_bytes", "direction", direction, DIRECTIONS)
-        return self._request_bytes.get((direction, request_id), 0)
+        with self._lock:
+            return self._request_bytes.get((direction, request_id), 0)
 
     def requests(self) -> list[str]:
         """Request ids with any tier bytes recorded."""
-        return sorted({r for (_, r) in self._tiers if r is not None})
+        with self._lock:
+            return sorted({r for (_, r) in self._tiers if r is not None})
+
+    def snapshot(self) -> OffloadSnapshot:
+        """One consistent, immutable copy of the totals and tier bytes (taken under the lock).
+
+        Example:
+          >>> stats = OffloadStats()
+          >>> stats.record_transfer("host_to_disk", 4096, 0.002)
+          >>> snap = stats.snapshot()
+          >>> stats.record_transfer("host_to_disk", 4096, 0.002)
+          >>> snap.transfers["host_to_disk"].count, stats.snapshot().transfers["host_to_disk"].count
+          (1, 2)
+        """
+        with self._lock:
+            return OffloadSnapshot(
+                transfers=types.MappingProxyType(dict(self._totals)),
+                tier_bytes=types.MappingProxyType(
+                    {t: self._tiers.get((t, None), 0) for t in TIERS}
+                ),
+                num_requests=len({r for (_, r) in self._tiers if r is not None}),
+            )
 
     def as_dict(self) -> dict:
         """A JSON-friendly snapshot: ``{"tiers": {...}, "transfers": {...}, "requests": {...}}``."""
+        with self._lock:
+            totals = dict(self._totals)
+            tiers = dict(self._tiers)
+        requests = sorted({r for (_, r) in tiers if r is not None})
         return {
-            "tiers": {t: self.tier_bytes(t) for t in TIERS},
+            "tiers": {t: tiers.get((t, None), 0) for t in TIERS},
             "transfers": {
-                d: {**dataclasses.asdict(self._totals[d]), "gib_per_second": v.gib_per_second}
-                for d, v in self._totals.items()
+                d: {**dataclasses.asdict(v), "gib_per_second": v.gib_per_second}
+                for d, v in totals.items()
             },
-            "requests": {
-                r: {t: self.tier_bytes(t, request_id=r) for t in TIERS} for r in self.requests()
-            },
+            "requests": {r: {t: tiers.get((t, r), 0) for t in TIERS} for r in requests},
         }
 
     def to_markdown(self) -> str:
         """The snapshot as two Markdown tables (tiers, transfers)."""
+        snap = self.snapshot()
         lines = ["| tier | bytes |", "|---|---:|"]
-        lines += [f"| {t} | {self.tier_bytes(t)} |" for t in TIERS]
+        lines += [f"| {t} | {snap.tier_bytes[t]} |" for t in TIERS]
         lines += [
             "",
             "| direction | count | bytes | seconds | GiB/s | in flight |",
             "|---|---:|---:|---:|---:|---:|",
         ]
-        for d, v in self._totals.items():
+        for d, v in snap.transfers.items():
             lines.append(
                 f"| {d} | {v.count} | {v.nbytes} | {v.seconds:.4f} | {v.gib_per_second:.2f} "
                 f"| {v.in_flight} |"

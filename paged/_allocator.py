@@ -127,7 +127,10 @@ class PageAllocator(DeviceHandOver, PoolMetrics):
        that are neither used nor returned stay reserved for a later loop.
 
     Every bad argument raises ``ValueError`` (``"PageAllocator.<method>: <arg>: expected ...,
-    got ..."``); a pool too small raises :class:`OutOfPages`. Both leave the state untouched.
+    got ..."``); a pool too small raises :class:`OutOfPages`. Both leave the pool state
+    untouched; an ``OutOfPages`` from ``allocate``, ``admit``, ``extend`` or ``fork`` is counted,
+    by the sequence length it asked for, in ``stats().out_of_pages_lengths`` (the article's
+    rule 12: review the lengths of the requests that ran out of memory).
     Integer arguments accept Python and numpy integers and reject bools and floats.
     :meth:`validate` checks every invariant eagerly.
 
@@ -184,7 +187,7 @@ class PageAllocator(DeviceHandOver, PoolMetrics):
         length = self._check_length(fn, length, "length")
         salt_bytes = normalize_salt(salt, fn=fn)
         count = -(-length // self.page_size)
-        self._check_available(count, f"allocate({seq!r})")
+        self._check_available(count, f"allocate({seq!r})", length=length)
         pages = self._pop(count)
         self._seqs[seq] = _Sequence(pages, length, [], 0, [], salt_bytes)
         return np.asarray(pages, dtype=np.int32)
@@ -239,7 +242,9 @@ class PageAllocator(DeviceHandOver, PoolMetrics):
             hits.append(page)
             hashes.append(key)
         reviving = sum(self._index.is_evictable(page) for page in hits)
-        self._check_available(count - len(hits), f"admit({seq!r})", reviving=reviving)
+        self._check_available(
+            count - len(hits), f"admit({seq!r})", reviving=reviving, length=len(tokens)
+        )
         for page in hits:
             if self._index.is_evictable(page):
                 self._index.revive(page)
@@ -331,7 +336,7 @@ class PageAllocator(DeviceHandOver, PoolMetrics):
             tokens = self._check_appended(fn, record, token_ids, new_length, seq, "token_ids")
         grow = -(-new_length // self.page_size) - len(record.pages)
         copy = self._needs_copy(record, new_length)
-        self._check_available(grow + copy, f"extend({seq!r})")
+        self._check_available(grow + copy, f"extend({seq!r})", length=new_length)
         plan = []
         if copy:
             source = record.pages[-1]
@@ -375,7 +380,7 @@ class PageAllocator(DeviceHandOver, PoolMetrics):
         record = self._get(fn, parent, "parent")
         self._check_new(fn, child, "child")
         copy = int(not lazy and record.length % self.page_size != 0)
-        self._check_available(copy, f"fork({parent!r}, {child!r})")
+        self._check_available(copy, f"fork({parent!r}, {child!r})", length=record.length)
         pages = list(record.pages)
         for page in pages[: len(pages) - copy]:
             self._refcount[page] += 1

@@ -46,6 +46,13 @@ class AllocatorStats:
         commit has keyed yet: they cannot serve prefix-cache hits until committed.
       pages_freed_uncommitted: such pages freed before any commit, so far (prefix-cache hits
         lost to missed commits).
+      page_table_bytes_max: int32 page-table entries of the longest live sequence, in bytes
+        (the article's rule 10 watches one request's table); 0 without sequences.
+      out_of_pages_lengths: ``(length, count)`` pairs sorted by length: how many ``allocate``,
+        ``admit``, ``extend`` and ``fork`` calls asked for a sequence of ``length`` tokens and
+        raised :class:`OutOfPages`, so far (the article's rule 12: a histogram of the lengths
+        of requests that ran out of memory). Exact, and bounded by the ``M * C + 1`` possible
+        lengths. ``reserve`` failures (not a request) are not counted.
     """
 
     num_pages: int
@@ -67,6 +74,13 @@ class AllocatorStats:
     tokens_uncommitted: int
     pages_uncommitted: int
     pages_freed_uncommitted: int
+    page_table_bytes_max: int = 0
+    out_of_pages_lengths: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def out_of_pages(self) -> int:
+        """Requests that raised :class:`OutOfPages` so far (the sum of the histogram)."""
+        return sum(count for _, count in self.out_of_pages_lengths)
 
 
 class PoolMetrics(PoolState):
@@ -125,6 +139,10 @@ class PoolMetrics(PoolState):
             tokens_uncommitted=sum(r.length - r.written for r in self._seqs.values()),
             pages_uncommitted=sum(self._uncommitted_pages(r) for r in self._seqs.values()),
             pages_freed_uncommitted=self._pages_freed_uncommitted,
+            page_table_bytes_max=max(
+                (len(r.pages) * _PAGE_TABLE_ENTRY_BYTES for r in self._seqs.values()), default=0
+            ),
+            out_of_pages_lengths=tuple(sorted(self._out_of_pages_lengths.items())),
         )
 
     def validate(self) -> None:

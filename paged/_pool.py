@@ -9,6 +9,7 @@ cycle), :mod:`paged._handover` (device hand-over) and :mod:`paged._metrics` (sta
 """
 
 import dataclasses
+from collections import Counter
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -24,7 +25,10 @@ NULL_PAGE = 0
 
 
 class OutOfPages(RuntimeError):
-    """The pool cannot satisfy a request; the allocator's state is left untouched.
+    """The pool cannot satisfy a request; the allocator's pool state is left untouched.
+
+    Only the failure itself is recorded: the requested sequence length goes into
+    ``PageAllocator.stats().out_of_pages_lengths`` (``reserve`` failures are not recorded).
 
     Attributes:
       requested: pages the operation needed.
@@ -77,6 +81,8 @@ class PoolState:
         self._tokens_hit = 0
         self._evictions = 0
         self._pages_freed_uncommitted = 0
+        # Requested sequence length (tokens) -> number of requests that hit OutOfPages.
+        self._out_of_pages_lengths: Counter[int] = Counter()
 
     # ------------------------------------------------------------------ queries
 
@@ -209,9 +215,19 @@ class PoolState:
             and self._refcount[record.pages[-1]] > 1
         )
 
-    def _check_available(self, count: int, what: str, *, reviving: int = 0) -> None:
+    def _check_available(
+        self, count: int, what: str, *, reviving: int = 0, length: int | None = None
+    ) -> None:
+        """Raises :class:`OutOfPages` when ``count`` pages are not available.
+
+        ``length`` is the sequence length (tokens) the failing request asked for; it is the one
+        thing a failure records (``stats().out_of_pages_lengths``); ``None`` records nothing
+        (the device reserve is not a request).
+        """
         evictable = self._index.num_evictable - reviving
         if count > len(self._free) + evictable:
+            if length is not None:
+                self._out_of_pages_lengths[length] += 1
             raise OutOfPages(what, requested=count, free=len(self._free), evictable=evictable)
 
     def _pop(self, count: int) -> list[int]:

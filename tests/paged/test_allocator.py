@@ -1,5 +1,7 @@
 """Unit tests of the host-side PageAllocator: every operation, every error, awkward lengths."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -7,7 +9,11 @@ from paged import NULL_PAGE, Admission, AllocatorStats, OutOfPages, PageAllocato
 
 
 def snapshot(alloc: PageAllocator):
-    """Everything an atomic failure must leave unchanged."""
+    """Everything an atomic failure must leave unchanged.
+
+    ``stats().out_of_pages_lengths`` is left out: counting the failure is its purpose (tests of
+    it check it separately).
+    """
     seqs = {
         seq: (
             list(r.pages),
@@ -25,7 +31,7 @@ def snapshot(alloc: PageAllocator):
         sorted(alloc._reserved),
         alloc._index.items(),
         alloc._index.evictable_pages(),
-        alloc.stats(),
+        dataclasses.replace(alloc.stats(), out_of_pages_lengths=()),
     )
 
 
@@ -110,6 +116,33 @@ def test_null_page_never_handed_out_and_pool_exhaustion_is_atomic():
         assert isinstance(info.value, RuntimeError)
         assert (info.value.requested, info.value.free, info.value.evictable) == (1, 0, 0)
         assert snapshot(alloc) == before
+    alloc.validate()
+
+
+def test_out_of_pages_lengths_histogram_counts_each_failed_request_by_its_length():
+    alloc = PageAllocator(6, 2, max_pages_per_seq=8)
+    assert alloc.stats().out_of_pages_lengths == () and alloc.stats().out_of_pages == 0
+    alloc.allocate("a", 7)  # 4 pages
+    alloc.allocate("b", 1)  # 1 page: pool full
+    assert alloc.stats().page_table_bytes_max == 4 * 4  # "a": 4 int32 entries
+    calls = [
+        (lambda: alloc.allocate("c", 5), 5),
+        (lambda: alloc.admit("c", [1, 2, 3]), 3),
+        (lambda: alloc.extend("b", 3), 3),
+        (lambda: alloc.fork("b", "c"), 1),  # the child's length
+        (lambda: alloc.reserve(2), None),  # not a request: not counted
+        (lambda: alloc.allocate("c", 5), 5),
+    ]
+    for call, _ in calls:
+        with pytest.raises(OutOfPages):
+            call()
+    stats = alloc.stats()
+    assert stats.out_of_pages_lengths == ((1, 1), (3, 2), (5, 2))
+    assert stats.out_of_pages == 5
+    alloc.free("a")
+    alloc.allocate("c", 5)  # a success adds nothing
+    assert alloc.stats().out_of_pages_lengths == ((1, 1), (3, 2), (5, 2))
+    assert alloc.stats().page_table_bytes_max == 3 * 4
     alloc.validate()
 
 

@@ -11,6 +11,8 @@ allocator's page tables and copy plans exactly as a device would. After every st
 * a failed operation (``OutOfPages``) left the state untouched.
 """
 
+from collections import Counter
+
 import numpy as np
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -57,14 +59,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         for source, target in plan.pairs():
             self.device[target] = list(self.device[source])
 
-    def expect_out_of_pages(self, call):
+    def expect_out_of_pages(self, call, length=None):
+        """``length``: the sequence length a failure must add to the out-of-pages histogram."""
         before = snapshot(self.alloc)
+        histogram = Counter(dict(self.alloc.stats().out_of_pages_lengths))
         try:
             return call(), False
         except OutOfPages as error:
             event("OutOfPages")
             assert error.requested > error.free + error.evictable
             assert snapshot(self.alloc) == before
+            if length is not None:
+                histogram[length] += 1
+            assert dict(self.alloc.stats().out_of_pages_lengths) == dict(histogram)
             return None, True
 
     def read(self, seq):
@@ -90,7 +97,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             ]
         seq = self.new_id()
         admission, failed = self.expect_out_of_pages(
-            lambda: self.alloc.admit(seq, tokens, salt=salt)
+            lambda: self.alloc.admit(seq, tokens, salt=salt), len(tokens)
         )
         if failed:
             return
@@ -121,7 +128,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         record = self.alloc._seqs[seq]
         tracked = len(record.tokens) == record.length
         ids = tokens if with_ids and tracked else None
-        plan, failed = self.expect_out_of_pages(lambda: self.alloc.extend(seq, new, token_ids=ids))
+        plan, failed = self.expect_out_of_pages(
+            lambda: self.alloc.extend(seq, new, token_ids=ids), new
+        )
         if failed:
             return
         assert len(plan.src) <= 1
@@ -152,7 +161,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     def fork(self, index, lazy):
         parent = self.pick(index)
         child = self.new_id()
-        plan, failed = self.expect_out_of_pages(lambda: self.alloc.fork(parent, child, lazy=lazy))
+        plan, failed = self.expect_out_of_pages(
+            lambda: self.alloc.fork(parent, child, lazy=lazy), len(self.truth[parent])
+        )
         if failed:
             return
         assert len(plan.src) == int(not lazy and len(self.truth[parent]) % self.size != 0)
