@@ -10,8 +10,8 @@ XLA:CPU runs programs of under 1000 flops inline on the caller's thread; each ke
 a tiny flop-counted marker output so that copies dispatch asynchronously there too, and
 handles poll the markers, which are never donated.
 
-Compiles: a list of ``n`` ids runs as power-of-two chunks (``n = 8 + 2 + 1`` is three calls),
-so each kernel compiles at most ``log2(P)`` times per pool shape.
+Compiles: a list of ``n`` ids runs in one call, padded to the next power of two (the loop
+reads the first ``n``), so each kernel compiles at most ``log2(P) + 1`` times per pool shape.
 
 Pools split along the page axis are copied shard by shard: each device runs the kernel on its
 own shards (local page ids, local slots) and the global arrays are reassembled from the new
@@ -39,22 +39,7 @@ from offload._host_pool import (
 )
 from offload._tiers import PINNED_HOST
 
-__all__ = ["chunks", "check_same_shards", "copy_pages", "prefetch_fn"]
-
-
-def chunks(n: int) -> list[tuple[int, int]]:
-    """Splits ``range(n)`` into power-of-two runs ``(start, size)``, largest first.
-
-    Each run is one call to a kernel compiled for its static size, so a pool sees at most
-    ``log2(P)`` compiles per kernel and no padded (possibly clamped) writes.
-    """
-    runs, start = [], 0
-    for bit in reversed(range(n.bit_length())):
-        size = 1 << bit
-        if n & size:
-            runs.append((start, size))
-            start += size
-    return runs
+__all__ = ["bucket", "check_same_shards", "copy_pages", "prefetch_fn"]
 
 
 # A tiny flop-counted side output (a dot of the ids' sum with a 1024-vector, discarded) makes
@@ -77,32 +62,54 @@ def _write_page(pool, page, index, axis):
     return lax.dynamic_update_slice_in_dim(pool, page, index, axis=axis)
 
 
+def bucket(n: int) -> int:
+    """The id-array length a copy of ``n`` pages runs at: the next power of two (>= 1).
+
+    A kernel compiles once per length, so a pool sees at most ``log2(P) + 1`` compiles per
+    kernel; the ids past ``n`` are padding that the loop never reads.
+    """
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _padded(ids: np.ndarray, length: int) -> np.ndarray:
+    out = np.zeros(length, np.int32)
+    out[: ids.size] = ids
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def _copy_pages_fn(source_sharding, target_sharding, axis: int | None = None):
-    """``target[..., dst[i], :, :] = source[..., src[i], :, :]`` across memory kinds.
+    """``target[..., dst[i], :, :] = source[..., src[i], :, :]`` for ``i < count``, across
+    memory kinds.
 
-    One ``dynamic_update_slice`` per page into the donated target, so XLA writes in place:
-    0.6-0.9x memcpy on CPU here, against under 0.3x for a gather + scatter of the same pages.
+    A ``fori_loop`` with one ``dynamic_update_slice`` per page into the donated target, so XLA
+    writes in place; measured 1.5x the throughput of the same writes unrolled (which also
+    compiled in time linear in the number of pages: 24 s for 256 pages on 8 devices).
     """
     source_index = replicated(source_sharding, source_sharding.memory_kind)
     target_index = replicated(target_sharding, target_sharding.memory_kind)
     device_index = replicated(source_sharding, device_kind(source_sharding))
+    crossing = source_sharding.memory_kind != target_sharding.memory_kind
 
-    def fn(source, target, src, dst):
+    def fn(source, target, src, dst, count):
         marker = _async_marker(src)
         page_axis = source.ndim - 3 if axis is None else axis
         # Explicit placement of the indices: an operation needs all its operands in one
         # memory space.
         src, dst = jax.device_put(src, source_index), jax.device_put(dst, target_index)
-        for i in range(src.shape[0]):
-            page = jax.device_put(_slice_page(source, src[i], page_axis), target_sharding)
-            target = _write_page(target, page, dst[i], page_axis)
-        return target, marker
+
+        def step(i, target):
+            page = _slice_page(source, src[i], page_axis)
+            if crossing:
+                page = jax.device_put(page, target_sharding)
+            return _write_page(target, page, dst[i], page_axis)
+
+        return lax.fori_loop(0, count, step, target), marker
 
     return jax.jit(
         fn,
         donate_argnums=1,
-        in_shardings=(source_sharding, target_sharding, device_index, device_index),
+        in_shardings=(source_sharding, target_sharding, device_index, device_index, device_index),
         out_shardings=(target_sharding, device_index),
     )
 
@@ -113,15 +120,15 @@ def _copy_leaves(sources: list, targets: list, axis: int, src: np.ndarray, dst: 
         _copy_pages_fn(as_named(s.sharding), as_named(t.sharding), axis)
         for s, t in zip(sources, targets, strict=True)
     ]
+    length = bucket(src.size)
+    src, dst, count = _padded(src, length), _padded(dst, length), np.int32(src.size)
     targets = list(targets)
     markers = []
-    for start, size in chunks(src.size):
-        chunk_src, chunk_dst = src[start : start + size], dst[start : start + size]
-        # Keys and values (and data and scales) are separate programs: XLA:CPU can run them
-        # on several threads, and one program holding both measured about 2x slower.
-        for i, fn in enumerate(fns):
-            targets[i], marker = fn(sources[i], targets[i], chunk_src, chunk_dst)
-            markers.append(marker)
+    # Keys and values (and data and scales) are separate programs: XLA:CPU can run them on
+    # several threads, and one program holding both measured about 2x slower.
+    for i, fn in enumerate(fns):
+        targets[i], marker = fn(sources[i], targets[i], src, dst, count)
+        markers.append(marker)
     return targets, markers
 
 
@@ -333,14 +340,14 @@ def scatter_pages(target, pages, dst: np.ndarray):
                 source.shape, as_named(staging), [source]
             )
             fn = _copy_pages_fn(as_named(staging), as_named(shard.data.sharding), axis)
-            written = _named_shard(shard)
-            for start, size in chunks(mine.size):
-                written, _ = fn(
-                    source,
-                    written,
-                    np.arange(start, start + size, dtype=np.int32),
-                    (dst[mine] - lo)[start : start + size].astype(np.int32),
-                )
+            length = bucket(mine.size)
+            written, _ = fn(
+                source,
+                _named_shard(shard),
+                _padded(np.arange(mine.size), length),
+                _padded(dst[mine] - lo, length),
+                np.int32(mine.size),
+            )
             new[part].append(written)
     arrays = [
         jax.make_array_from_single_device_arrays(t.shape, t.sharding, parts)

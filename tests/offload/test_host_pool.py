@@ -21,7 +21,7 @@ from offload import (
     wait,
 )
 from offload._host_pool import as_named
-from offload._page_copy import _copy_pages_fn, chunks, prefetch_fn
+from offload._page_copy import _copy_pages_fn, bucket, prefetch_fn
 from ringattn import attention_reference
 from tests._util import assert_close, make_test_mesh
 
@@ -171,12 +171,10 @@ def test_prefetch_decode_loop_matches_all_on_device():
 
 @given(st.integers(0, 300))
 @settings(max_examples=50, deadline=None)
-def test_chunks_cover_range_with_powers_of_two(n):
-    runs = chunks(n)
-    covered = [i for start, size in runs for i in range(start, start + size)]
-    assert covered == list(range(n))
-    assert all(size & (size - 1) == 0 for _, size in runs)
-    assert len(runs) == bin(n).count("1")
+def test_bucket_is_the_next_power_of_two(n):
+    b = bucket(n)
+    assert b & (b - 1) == 0 and b >= max(n, 1)
+    assert b == 1 or b // 2 < n  # the smallest such power
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -214,7 +212,7 @@ def test_kernels_carry_enough_flops_to_dispatch_asynchronously(size):
     copy = _copy_pages_fn(as_named(k.sharding), as_named(host.k_pages.sharding), 2)
     fetch = prefetch_fn(as_named(host.k_pages.sharding), size > 1, False, 5)
     compiled = [
-        copy.lower(k, host.k_pages, *(np.zeros(size, np.int32),) * 2).compile(),
+        copy.lower(k, host.k_pages, *(np.zeros(size, np.int32),) * 2, np.int32(size)).compile(),
         fetch.lower(host.k_pages, np.int32(0), np.zeros(size, np.int32)).compile(),
     ]
     for program in compiled:
