@@ -49,6 +49,22 @@ from offload._stats import DIRECTIONS, TIERS, OffloadStats, TransferTotals
 from offload._tiers import TransferHandle, host_memory_kind, ready, to_device, to_host, wait
 from offload._transfers import page_in, page_out, prefetch_layer
 
+# planner
+# isort: split
+from offload._cost_model import CostEstimate
+from offload._planner import ARTICLE_RULES, MEASURED, plan
+from offload._planner_types import (
+    KV_FORMATS,
+    Decision,
+    Hardware,
+    LengthDistribution,
+    ModelShape,
+    Plan,
+    Reason,
+    Tiers,
+    Workload,
+)
+
 __all__: list[str] = [
     # retention policies
     "POLICY_KINDS",
@@ -87,4 +103,18 @@ __all__: list[str] = [
     "to_device",
     "to_host",
     "wait",
+    # planner
+    "ARTICLE_RULES",
+    "CostEstimate",
+    "Decision",
+    "Hardware",
+    "KV_FORMATS",
+    "LengthDistribution",
+    "MEASURED",
+    "ModelShape",
+    "Plan",
+    "Reason",
+    "Tiers",
+    "Workload",
+    "plan",
 ]
