@@ -108,7 +108,7 @@ def _ulysses_kv_heads(K: int, D: int) -> int:
     return K * (D // math.gcd(K, D))
 
 
-def collective_steps(strategy: str, D: int, ulysses_degree: int = 1) -> int:
+def collective_steps(strategy: str | None, D: int, ulysses_degree: int = 1) -> int:
     """Steps (collectives plus local attention calls) of one layer's forward on ``D`` devices.
 
     Args:
@@ -215,11 +215,11 @@ def estimate_prefill(
         total = max(compute, ring_s) + (communication - ring_s) + memory + latency
     else:
         total = compute + communication + memory + latency
-    return compute, memory, communication, latency, total
+    return float(compute), float(memory), float(communication), float(latency), float(total)
 
 
 def estimate_decode(
-    *, device_bytes: float, host_bytes: float, disk_bytes: float, D: int, hardware
+    *, device_bytes: int | float, host_bytes: int | float, disk_bytes: int | float, D: int, hardware
 ) -> float:
     """Seconds of one decode token that reads the whole KV of one request.
 
@@ -235,4 +235,4 @@ def estimate_decode(
     device = device_bytes / D / hardware.memory_bandwidth * PAGED_DECODE_VS_BANDWIDTH
     host = host_bytes / D / (hardware.host_bandwidth * PAGE_IN_VS_MEMCPY)
     disk = disk_bytes / hardware.disk_bandwidth if disk_bytes else 0.0
-    return device + host + disk
+    return float(device + host + disk)

@@ -91,7 +91,7 @@ def _measured(name: str) -> tuple[str, float]:
     return MEASURED[name]
 
 
-def _size(n: float) -> str:
+def _size(n: int | float) -> str:
     """Bytes in binary units, for reasons' text."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:

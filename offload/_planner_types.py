@@ -254,6 +254,8 @@ class LengthDistribution:
             sigma = p50 * math.sqrt(math.exp(s2) * math.expm1(s2))
         if mean is None:
             mean = p50 * math.exp(s2 / 2)
+        sigma = _checks.check_float(fn, "sigma", sigma, low=0.0)
+        mean = _checks.check_float(fn, "mean", mean, low=0.0, low_open=True)
         return cls(p50=p50, p95=p95, p99=p99, sigma=sigma, mean=mean, max_length=max_length)
 
     @property
@@ -294,16 +296,16 @@ class Hardware:
     devices: int
     devices_per_node: int
     device_memory: int
-    device_flops: float
-    memory_bandwidth: float
-    intra_node_bandwidth: float
-    inter_node_bandwidth: float
+    device_flops: float | int
+    memory_bandwidth: float | int
+    intra_node_bandwidth: float | int
+    inter_node_bandwidth: float | int
     host_memory: int = 0
-    host_bandwidth: float = 25e9
+    host_bandwidth: float | int = 25e9
     disk: int = 0
-    disk_bandwidth: float = 3e9
-    disk_iops: float = 100_000.0
-    collective_latency: float = 20e-6
+    disk_bandwidth: float | int = 3e9
+    disk_iops: float | int = 100_000.0
+    collective_latency: float | int = 20e-6
     overlap: bool = True
 
     def __post_init__(self):
