@@ -118,8 +118,8 @@ def _sizing(workload: Workload) -> Decision:
         reasons.append(
             Reason(
                 "model",
-                "requests longer than the sizing length are rejected or split (rule 10), not "
-                "planned for",
+                "requests longer than the sizing length need a split or a reject: they are "
+                "not planned for",
                 {"sizing_length": size},
             )
         )
