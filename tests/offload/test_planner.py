@@ -544,16 +544,27 @@ def test_more_memory_never_needs_more_devices_or_offload(args, hw, extra):
         assert more_host.fits.value >= small.fits.value
 
 
+def regime(tokens: int) -> int:
+    """Which iron rule applies: 0 under 128K, 1 up to 512K, 2 above."""
+    return (tokens >= K128) + (tokens > K512)
+
+
 @settings(max_examples=40, deadline=None)
-@given(models, st.integers(1, 2**21), st.integers(1, 2**20), hardware)
+@given(models, log_uniform(0, 21), log_uniform(0, 20), hardware)
 def test_longer_requests_never_need_less(model, length, extra, hw):
+    """More bytes, and (inside one regime of the iron rules) no fewer devices; at the same
+    degree no more sequences per device (a larger group holds a share of each request, so
+    sequences per device may grow when the degree does)."""
     short = plan(Workload(model, fixed(length), quantization=()), hw)
     long = plan(Workload(model, fixed(length + extra), quantization=()), hw)
     if short.page_size.value == long.page_size.value:
         assert long.kv_bytes_per_request.value >= short.kv_bytes_per_request.value
-        assert long.max_sequences_per_device.value <= short.max_sequences_per_device.value
-        if long.sizing_length.value < K512 or short.sizing_length.value > K512:
+        if long.degree.value == short.degree.value:
+            assert long.max_sequences_per_device.value <= short.max_sequences_per_device.value
+        if regime(long.sizing_length.value) == regime(short.sizing_length.value):
             assert long.degree.value >= short.degree.value
+            offloaded = long.tiers.value.host + long.tiers.value.disk
+            assert offloaded >= short.tiers.value.host + short.tiers.value.disk
 
 
 # --- errors ---------------------------------------------------------------------------------
