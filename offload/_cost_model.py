@@ -16,7 +16,9 @@ over the ``L`` layers of one causal prefill of ``S`` tokens on ``D`` devices.
   ulysses               four all-to-alls (q, k, v, out) of ``(2 N + 2 K') * S/D * H``
                         elements times ``(D - 1) / D``; ``K' = lcm(K, D)`` (kv heads
                         repeated until the devices can split them)
-  usp                   Ulysses over ``u`` devices of a node, a ring over ``r = D / u``
+  usp                   Ulysses over ``u`` devices of a node (the all-to-alls on the
+                        intra-node link), then a ring over ``r = D / u`` of ``S / r``
+                        tokens and ``K' / u`` kv heads per hop (``K' = lcm(K, u)``)
   allgather             ``(D - 1) / D`` of the whole ``2 * S * K * H`` K/V
   ====================  ============================================================
 
@@ -108,6 +110,15 @@ def _ulysses_kv_heads(K: int, D: int) -> int:
     return K * (D // math.gcd(K, D))
 
 
+def _usp_bytes(S, N, K, H, D, itemsize, u) -> tuple[float, float]:
+    """USP's (all-to-all bytes over ``u`` devices of a node, ring bytes over ``D / u``)."""
+    r = D // u
+    kv = _ulysses_kv_heads(K, u)
+    a2a = (2 * N + 2 * kv) * (S / D) * H * itemsize * (u - 1) / u
+    hop = 2 * (S / r) * (kv / u) * H * itemsize  # after the all-to-all: S / r tokens, K' / u heads
+    return a2a, (r - 1) * hop
+
+
 def collective_steps(strategy: str | None, D: int, ulysses_degree: int = 1) -> int:
     """Steps (collectives plus local attention calls) of one layer's forward on ``D`` devices.
 
@@ -158,12 +169,7 @@ def communication_bytes(
         kv = _ulysses_kv_heads(K, D)
         return (2 * N + 2 * kv) * local * H * itemsize * (D - 1) / D
     if strategy == "usp":
-        u = ulysses_degree
-        r = D // u
-        kv = _ulysses_kv_heads(K, u)
-        a2a = (2 * N + 2 * kv) * local * H * itemsize * (u - 1) / u
-        hop = 2 * (S / r) * (kv / u) * H * itemsize
-        return a2a + (r - 1) * hop
+        return sum(_usp_bytes(S, N, K, H, D, itemsize, ulysses_degree))
     return 2 * S * K * H * itemsize * (D - 1) / D  # allgather
 
 
@@ -200,21 +206,23 @@ def estimate_prefill(
     memory = L * local_io / hardware.memory_bandwidth
     spans_nodes = D > hardware.devices_per_node
     link = hardware.inter_node_bandwidth if spans_nodes else hardware.intra_node_bandwidth
-    sent = communication_bytes(
-        strategy, S=S, N=N, K=K, H=H, D=D, itemsize=itemsize, ulysses_degree=ulysses_degree
-    )
-    communication = L * sent / link
     latency = L * collective_steps(strategy, D, ulysses_degree) * hardware.collective_latency
-    if strategy == "ring" and hardware.overlap:
-        total = max(compute, communication) + memory + latency
-    elif strategy == "usp" and hardware.overlap:
-        ring_part = communication_bytes(
-            "ring", S=S, N=N, K=K, H=H, D=D // ulysses_degree, itemsize=itemsize
-        )
-        ring_s = L * ring_part / link
-        total = max(compute, ring_s) + (communication - ring_s) + memory + latency
+    if strategy == "usp":  # the all-to-alls stay inside a node, the ring may cross nodes
+        a2a, ring = _usp_bytes(S, N, K, H, D, itemsize, ulysses_degree)
+        a2a_s = L * a2a / hardware.intra_node_bandwidth
+        ring_s = L * ring / link
+        communication = a2a_s + ring_s
+        hidden = max(compute, ring_s) if hardware.overlap else compute + ring_s
+        total = hidden + a2a_s + memory + latency
     else:
-        total = compute + communication + memory + latency
+        sent = communication_bytes(
+            strategy, S=S, N=N, K=K, H=H, D=D, itemsize=itemsize, ulysses_degree=ulysses_degree
+        )
+        communication = L * sent / link
+        if strategy == "ring" and hardware.overlap:
+            total = max(compute, communication) + memory + latency
+        else:
+            total = compute + communication + memory + latency
     return float(compute), float(memory), float(communication), float(latency), float(total)
 
 

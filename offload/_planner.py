@@ -306,8 +306,9 @@ def _quantization(workload, hardware, sizing, C, degrees):
     return base, Decision(model.kv_format, (reason,))
 
 
-def _strategy_candidates(model, hardware, D, S):
-    """{strategy: ulysses degree} of the strategies that can run ``D`` devices."""
+def _strategy_candidates(model, hardware, D, S, free):
+    """{strategy: ulysses degree} of the strategies that can run ``D`` devices (``free``: bytes
+    of a device's KV memory this request leaves free)."""
     N, K, H = model.query_heads, model.kv_heads, model.head_dim
     out = {"ring": 1}
     spans = D > hardware.devices_per_node
@@ -319,12 +320,14 @@ def _strategy_candidates(model, hardware, D, S):
         if us:
             out["usp"] = max(us)
     gathered = 2 * S * K * H * model.itemsize
-    out["allgather"] = 1 if gathered <= hardware.device_memory else None
+    out["allgather"] = 1 if gathered <= free else None
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _choose_strategy(model, hardware, D, S):
-    """(strategy, ulysses degree, estimate tuple, reasons)."""
+def _choose_strategy(model, hardware, D, S, free=None):
+    """(strategy, ulysses degree, estimate tuple, reasons); ``free``: bytes of a device's KV
+    memory the request leaves free (default: all of it)."""
+    free = hardware.device_memory if free is None else free
     L, N, K, H, b = (
         model.layers,
         model.query_heads,
@@ -332,7 +335,7 @@ def _choose_strategy(model, hardware, D, S):
         model.head_dim,
         model.itemsize,
     )
-    candidates = _strategy_candidates(model, hardware, D, S)
+    candidates = _strategy_candidates(model, hardware, D, S, free)
     costs = {
         s: estimate_prefill(
             s, S=S, L=L, N=N, K=K, H=H, D=D, itemsize=b, hardware=hardware, ulysses_degree=u
@@ -349,7 +352,10 @@ def _choose_strategy(model, hardware, D, S):
     elif K < D:
         notes.append(f"Ulysses repeats kv heads to lcm(K, D)={K * (D // math.gcd(K, D))}")
     if "allgather" not in candidates:
-        notes.append("all-gather would hold a whole layer's K/V per device: does not fit")
+        notes.append(
+            "all-gather would hold a whole layer's K/V on each device: it does not fit beside "
+            "the request's pages"
+        )
     summary = ", ".join(f"{s} {costs[s][4] * 1e3:,.1f} ms" for s in _STRATEGY_ORDER if s in costs)
     numbers = {f"{s}_ms": costs[s][4] * 1e3 for s in costs}
     numbers.update({"N": N, "K": K, "D": D})
@@ -476,7 +482,10 @@ def plan(workload: Workload, hardware: Hardware) -> Plan:
             f"{min(pages, placement['usable'] * D):,}",
             {"pages": pages, "usable_pages_per_device": placement["usable"], "degree": D},
         )
-        strategy, _, estimate, strategy_reasons = _choose_strategy(model, hardware, D, S)
+        free = hardware.device_memory - min(
+            hardware.device_memory, placement["per_device_pages"] * placement["page_bytes"]
+        )
+        strategy, _, estimate, strategy_reasons = _choose_strategy(model, hardware, D, S, free)
     else:
         sp_reason = Reason(
             "model",

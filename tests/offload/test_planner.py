@@ -398,6 +398,11 @@ def test_communication_bytes_match_ring_md():
     assert cost_model.communication_bytes("ulysses", K=8, **kw) == 3.5 * mib
     assert cost_model.communication_bytes("ring", K=2, **kw) == 3.5 * mib
     assert cost_model.communication_bytes("ulysses", K=2, **kw) == 3.5 * mib
+    # USP, Ulysses over u=4 (kv heads repeated to lcm(2, 4) = 4), then a ring over 2 devices of
+    # S/2 tokens and one kv head: (2 * 8 + 2 * 4) * 512 * 64 * 4 * 3/4 + 1 hop of 2 * 2048 * 64 * 4
+    usp = cost_model.communication_bytes("usp", K=2, ulysses_degree=4, **kw)
+    assert usp == 2_359_296 + 1_048_576
+    assert cost_model.communication_bytes(None, K=2, **kw) == 0
 
 
 # --- constants and citations come from the results files -----------------------------------
