@@ -579,23 +579,28 @@ def plan(workload: Workload, hardware: Hardware) -> Plan:
         tier_reasons.append(
             Reason(
                 "rule 6",
-                f"pinned host memory holds {_size(tiers.host)} of this request (rule 6's 16-32 GB "
-                f"swap space is a floor, not a size; host memory {_size(hardware.host_memory)})",
+                f"pinned host memory holds {_size(tiers.host)} of this request (rule 6 suggests "
+                f"16-32 GB of swap space for long contexts; this request alone needs "
+                f"{_size(tiers.host + tiers.disk)} off the devices; host memory "
+                f"{_size(hardware.host_memory)})",
                 {"host": tiers.host, "host_memory": hardware.host_memory},
             )
         )
     if tiers.disk:
         disk_pages = -(-tiers.disk // placement["page_bytes"])
-        tokens_per_s = hardware.disk_iops / disk_pages
+        by_iops = hardware.disk_iops / disk_pages
+        by_bandwidth = hardware.disk_bandwidth / tiers.disk
         tier_reasons.append(
             Reason(
                 "rule 11",
                 f"{disk_pages:,} pages on disk: an exact decode step reads each, so "
-                f"{hardware.disk_iops:,.0f} IOPS allow {tokens_per_s:,.2f} tokens/s (rule 11)",
+                f"{hardware.disk_iops:,.0f} IOPS allow {by_iops:,.2f} tokens/s (rule 11) and "
+                f"the disk's {_size(hardware.disk_bandwidth)}/s {by_bandwidth:,.3f} tokens/s",
                 {
                     "disk_pages": disk_pages,
                     "disk_iops": hardware.disk_iops,
-                    "tokens_per_s": tokens_per_s,
+                    "tokens_per_s_by_iops": by_iops,
+                    "tokens_per_s_by_bandwidth": by_bandwidth,
                 },
             )
         )

@@ -251,6 +251,13 @@ def test_tiers_spill_to_host_then_disk_and_report_shortfall():
     p = plan(Workload(model, fixed(length), quantization=()), hw)
     assert p.tiers.value == Tiers(100 * page_bytes, 200 * page_bytes, request - 300 * page_bytes)
     assert {"rule 11", "incident C", "rule 6"} <= {r.rule for r in p.tiers.reasons}
+    (io,) = (r for r in p.tiers.reasons if r.rule == "rule 11")
+    disk_pages = -(-(request - 300 * page_bytes) // page_bytes)
+    assert io.numbers["disk_pages"] == disk_pages
+    assert io.numbers["tokens_per_s_by_iops"] == pytest.approx(100_000 / disk_pages)
+    assert io.numbers["tokens_per_s_by_bandwidth"] == pytest.approx(
+        3e9 / (request - 300 * page_bytes)
+    )
     short = dataclasses.replace(hw, disk=page_bytes)
     q = plan(Workload(model, fixed(length), quantization=()), short)
     assert not q.fits.value and q.tiers.value.total == 301 * page_bytes < request
