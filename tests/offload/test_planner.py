@@ -351,6 +351,12 @@ def test_strategy_by_heads_and_links():
     p = _plan_degree(small_model(N=16, K=4), 16, 8, 16)
     assert p.strategy.value != "ulysses"
     assert any(r.rule == "incident B" for r in p.strategy.reasons)
+    # Across nodes with heads to split inside each: USP (Ulysses over the 8 devices of a node,
+    # a ring over the 2 nodes) sends far less over the slow link than a ring over all 16.
+    for overlap in (False, True):
+        hw = dataclasses.replace(h100s(16, 8), overlap=overlap)
+        strat, u, _, _ = _choose_strategy(small_model(N=16, K=4), hw, 16, 256 * 1024)
+        assert (strat, u) == ("usp", 8)
     # K < D: Ulysses repeats kv heads, and says so.
     strat, _, _, reasons = _choose_strategy(small_model(N=8, K=2), cpu, 8, 256 * 1024)
     assert "lcm(K, D)=8" in reasons[0].text
