@@ -151,7 +151,7 @@ RESULTS["64 kv heads: degree"] = counted.degree.value
 # 128K, as rule 3 describes production traffic); 70% of requests share a 2K system prompt; two
 # nodes of 8 GPUs with 40 GiB each for KV. Rule 1 sizes for p95 + 2 sigma of the samples, not for
 # the longest request, and iron rule 2 picks pages of 64 for the heavy prefix reuse; its reason
-# gives the saving this repo *measured* (`paged_memory.md`), which is set by the shared share of
+# gives the saving this repo *measured* (`paged_memory.md`), set by the shared prefix's share of
 # resident tokens, not the article's 30-40%.
 
 # %%
