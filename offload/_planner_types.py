@@ -442,6 +442,7 @@ class Tiers:
 
     @property
     def total(self) -> int:
+        """Bytes placed in all tiers (less than the request's bytes when it does not fit)."""
         return self.device + self.host + self.disk
 
 
