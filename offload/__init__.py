@@ -69,6 +69,22 @@ from offload._prompt_hygiene import (
 )
 from offload._stats import OffloadSnapshot
 
+# planner
+# isort: split
+from offload._cost_model import CostEstimate
+from offload._planner import ARTICLE_RULES, MEASURED, plan
+from offload._planner_types import (
+    KV_FORMATS,
+    Decision,
+    Hardware,
+    LengthDistribution,
+    ModelShape,
+    Plan,
+    Reason,
+    Tiers,
+    Workload,
+)
+
 __all__: list[str] = [
     # retention policies
     "POLICY_KINDS",
@@ -123,4 +139,18 @@ __all__: list[str] = [
     "find_high_cardinality_spans",
     "replay_hit_rate",
     "to_prometheus",
+    # planner
+    "ARTICLE_RULES",
+    "CostEstimate",
+    "Decision",
+    "Hardware",
+    "KV_FORMATS",
+    "LengthDistribution",
+    "MEASURED",
+    "ModelShape",
+    "Plan",
+    "Reason",
+    "Tiers",
+    "Workload",
+    "plan",
 ]

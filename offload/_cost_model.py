@@ -1,0 +1,246 @@
+"""A small cost model of long-context attention, with constants from this repo's benchmarks.
+
+The planner (:func:`offload.plan`) uses it to compare sequence-parallel strategies and to
+estimate prefill and decode times. It is deliberately small: four terms per strategy, summed
+over the ``L`` layers of one causal prefill of ``S`` tokens on ``D`` devices.
+
+* compute: ``4 * S**2 * N * H / 2`` FLOPs per layer (causal: half the score matrix; the zigzag
+  layout balances it), split over ``D`` devices at ``device_flops * BLOCKWISE_FORWARD_EFFICIENCY``.
+* memory traffic: the local q, k, v and out read or written once, plus (all-gather) the
+  gathered K/V written and permuted back to natural order, at ``memory_bandwidth``.
+* communication: bytes sent per device over the slowest link the group uses (``inter_node``
+  once the group spans nodes):
+
+  ====================  ============================================================
+  ring                  ``(D - 1)`` hops of ``2 * S/D * K * H`` elements
+  ulysses               four all-to-alls (q, k, v, out) of ``(2 N + 2 K') * S/D * H``
+                        elements times ``(D - 1) / D``; ``K' = lcm(K, D)`` (kv heads
+                        repeated until the devices can split them)
+  usp                   Ulysses over ``u`` devices of a node (the all-to-alls on the
+                        intra-node link), then a ring over ``r = D / u`` of ``S / r``
+                        tokens and ``K' / u`` kv heads per hop (``K' = lcm(K, u)``)
+  allgather             ``(D - 1) / D`` of the whole ``2 * S * K * H`` K/V
+  ====================  ============================================================
+
+  The ring's hops overlap with compute when ``Hardware.overlap`` (``max`` of the two, as on
+  GPUs and TPUs); all-to-alls and all-gathers do not (they sit between compute phases).
+* latency: ``collective_latency`` per step, a step being one collective or one local attention
+  call: ring ``2 D - 1``, ulysses 5, usp ``4 + 2 r - 1``, allgather 2.
+
+Decode (one token, all layers): the device-resident KV read at ``memory_bandwidth`` times
+:data:`PAGED_DECODE_VS_BANDWIDTH`, host pages fetched at ``host_bandwidth *``
+:data:`PAGE_IN_VS_MEMCPY` per device, disk pages at ``disk_bandwidth``.
+
+Not modelled: the backward pass (training), kernel fusion details, contention between
+concurrent requests. Element size is 4 bytes for a float32 model and 2 otherwise.
+"""
+
+import dataclasses
+import math
+
+__all__ = [
+    "BLOCKWISE_FORWARD_EFFICIENCY",
+    "CPU_MATMUL_FLOPS",
+    "CPU_MEMCPY_BYTES_PER_S",
+    "CPU_STEP_LATENCY_S",
+    "PAGED_DECODE_VS_BANDWIDTH",
+    "PAGE_IN_VS_MEMCPY",
+    "RING_ZIGZAG_FORWARD_MS",
+    "CostEstimate",
+    "collective_steps",
+    "communication_bytes",
+    "estimate_decode",
+    "estimate_prefill",
+]
+
+# --- Constants, each from a file in benchmarks/results/ ------------------------------------
+
+#: gaps.md: "blockwise forward efficiency (T=S=16K)": 73% of the same run's matmul FLOP/s.
+BLOCKWISE_FORWARD_EFFICIENCY = 0.73
+#: gaps.md: the same-run matmul on this machine's 2 CPU cores, 129.3 GFLOP/s.
+CPU_MATMUL_FLOPS = 129.3e9
+#: offload.md (a): memcpy of 256 MiB in 16 MiB pages, median 5.48 GiB/s.
+CPU_MEMCPY_BYTES_PER_S = 5.48 * 2**30
+#: paged.md: paged_attention decode is 1.70x the KV-bytes / memcpy bandwidth limit.
+PAGED_DECODE_VS_BANDWIDTH = 1.70
+#: offload.md (a): page_in reaches 0.56x of the same-run memcpy (median).
+PAGE_IN_VS_MEMCPY = 0.56
+#: ring.md: non-causal zigzag ring forward on 8 CPU devices, K=2, N=8, H=64, float32 (ms).
+RING_ZIGZAG_FORWARD_MS = {2048: 99.0, 4096: 354.0}
+
+
+def _step_latency_from_ring() -> float:
+    """Per-step fixed cost: the intercept of ``t(S) = a S**2 + c`` through the two ring points
+    of :data:`RING_ZIGZAG_FORWARD_MS`, over the ring's ``2 D - 1 = 15`` steps at ``D = 8``."""
+    (s1, t1), (s2, t2) = sorted(RING_ZIGZAG_FORWARD_MS.items())
+    a = (t2 - t1) / (s2**2 - s1**2)
+    intercept_ms = t1 - a * s1**2
+    return intercept_ms / 1e3 / (2 * 8 - 1)
+
+
+#: Fixed cost of one step (a collective or a local attention call) on the emulated CPU
+#: devices, fitted from ring.md's two ring timings (about 0.93 ms).
+CPU_STEP_LATENCY_S = _step_latency_from_ring()
+
+
+@dataclasses.dataclass(frozen=True)
+class CostEstimate:
+    """Estimated seconds for one causal prefill of ``S`` tokens over all ``L`` layers.
+
+    Attributes:
+      compute_s: attention FLOPs over the group's FLOP/s (times the blockwise efficiency).
+      memory_s: local memory traffic (q, k, v, out; all-gather's gathered K/V).
+      communication_s: bytes sent per device over the link used.
+      latency_s: fixed per-step costs.
+      total_s: the sum, except that an overlapping ring hides its communication behind
+        compute (``max(compute, communication)``).
+      decode_step_s: one decode token over all layers (device, host and disk reads).
+    """
+
+    compute_s: float
+    memory_s: float
+    communication_s: float
+    latency_s: float
+    total_s: float
+    decode_step_s: float
+
+
+def _ulysses_kv_heads(K: int, D: int) -> int:
+    """``K' = lcm(K, D)``: kv heads after repeating them so ``D`` devices can split them."""
+    return K * (D // math.gcd(K, D))
+
+
+def _usp_bytes(S, N, K, H, D, itemsize, u) -> tuple[float, float]:
+    """USP's (all-to-all bytes over ``u`` devices of a node, ring bytes over ``D / u``)."""
+    r = D // u
+    kv = _ulysses_kv_heads(K, u)
+    a2a = (2 * N + 2 * kv) * (S / D) * H * itemsize * (u - 1) / u
+    hop = 2 * (S / r) * (kv / u) * H * itemsize  # after the all-to-all: S / r tokens, K' / u heads
+    return a2a, (r - 1) * hop
+
+
+def collective_steps(strategy: str | None, D: int, ulysses_degree: int = 1) -> int:
+    """Steps (collectives plus local attention calls) of one layer's forward on ``D`` devices.
+
+    Args:
+      strategy: ``"ring"``, ``"ulysses"``, ``"usp"`` or ``"allgather"`` (``None``: 1 device).
+      D: devices in the sequence-parallel group.
+      ulysses_degree: ``u`` of ``"usp"`` (the ring is over ``D // u``).
+
+    Returns:
+      The step count the latency term multiplies.
+    """
+    if strategy is None or D == 1:
+        return 1
+    if strategy == "ring":
+        return 2 * D - 1
+    if strategy == "ulysses":
+        return 5
+    if strategy == "usp":
+        r = D // ulysses_degree
+        return 4 + 2 * r - 1
+    return 2  # allgather: one gather, one local call
+
+
+def communication_bytes(
+    strategy, *, S: int, N: int, K: int, H: int, D: int, itemsize: int, ulysses_degree: int = 1
+) -> float:
+    """Bytes one device sends in one layer's forward (the table in the module docstring).
+
+    Args:
+      strategy: ``"ring"``, ``"ulysses"``, ``"usp"``, ``"allgather"`` or ``None`` (no group).
+      S: tokens of the sequence; N, K, H: query heads, kv heads, head dim; D: devices.
+      itemsize: bytes per element (4 float32, 2 bf16).
+      ulysses_degree: ``u`` of ``"usp"``.
+
+    Returns:
+      Bytes per device (0 for ``None`` or ``D == 1``).
+
+    Example:
+      >>> communication_bytes("ring", S=4096, N=8, K=2, H=64, D=8, itemsize=4) / 2**20
+      3.5
+    """
+    if strategy is None or D == 1:
+        return 0.0
+    local = S / D
+    if strategy == "ring":
+        return (D - 1) * 2 * local * K * H * itemsize
+    if strategy == "ulysses":
+        kv = _ulysses_kv_heads(K, D)
+        return (2 * N + 2 * kv) * local * H * itemsize * (D - 1) / D
+    if strategy == "usp":
+        return sum(_usp_bytes(S, N, K, H, D, itemsize, ulysses_degree))
+    return 2 * S * K * H * itemsize * (D - 1) / D  # allgather
+
+
+def estimate_prefill(
+    strategy,
+    *,
+    S: int,
+    L: int,
+    N: int,
+    K: int,
+    H: int,
+    D: int,
+    itemsize: int,
+    hardware,
+    ulysses_degree: int = 1,
+) -> tuple[float, float, float, float, float]:
+    """``(compute_s, memory_s, communication_s, latency_s, total_s)`` of one causal prefill.
+
+    Args:
+      strategy: as :func:`communication_bytes`.
+      S, L, N, K, H, D, itemsize: tokens, layers, query heads, kv heads, head dim, devices and
+        bytes per element.
+      hardware: an :class:`offload.Hardware` (FLOP/s, bandwidths, latency, overlap).
+      ulysses_degree: ``u`` of ``"usp"``.
+
+    Returns:
+      Seconds per term and their total (see the module docstring).
+    """
+    flops = 4.0 * S * S * N * H * 0.5
+    compute = L * flops / D / (hardware.device_flops * BLOCKWISE_FORWARD_EFFICIENCY)
+    local_io = (2 * N + 2 * K) * (S / D) * H * itemsize
+    if strategy == "allgather":
+        local_io += 2 * (2 * S * K * H * itemsize)  # written by the gather, then permuted
+    memory = L * local_io / hardware.memory_bandwidth
+    spans_nodes = D > hardware.devices_per_node
+    link = hardware.inter_node_bandwidth if spans_nodes else hardware.intra_node_bandwidth
+    latency = L * collective_steps(strategy, D, ulysses_degree) * hardware.collective_latency
+    if strategy == "usp":  # the all-to-alls stay inside a node, the ring may cross nodes
+        a2a, ring = _usp_bytes(S, N, K, H, D, itemsize, ulysses_degree)
+        a2a_s = L * a2a / hardware.intra_node_bandwidth
+        ring_s = L * ring / link
+        communication = a2a_s + ring_s
+        hidden = max(compute, ring_s) if hardware.overlap else compute + ring_s
+        total = hidden + a2a_s + memory + latency
+    else:
+        sent = communication_bytes(
+            strategy, S=S, N=N, K=K, H=H, D=D, itemsize=itemsize, ulysses_degree=ulysses_degree
+        )
+        communication = L * sent / link
+        if strategy == "ring" and hardware.overlap:
+            total = max(compute, communication) + memory + latency
+        else:
+            total = compute + communication + memory + latency
+    return float(compute), float(memory), float(communication), float(latency), float(total)
+
+
+def estimate_decode(
+    *, device_bytes: int | float, host_bytes: int | float, disk_bytes: int | float, D: int, hardware
+) -> float:
+    """Seconds of one decode token that reads the whole KV of one request.
+
+    Args:
+      device_bytes, host_bytes, disk_bytes: the request's KV bytes in each tier (all layers).
+      D: devices the device tier (and the host traffic) is split over.
+      hardware: an :class:`offload.Hardware`.
+
+    Returns:
+      ``device_bytes / D / memory_bandwidth * PAGED_DECODE_VS_BANDWIDTH + host_bytes / D /
+      (host_bandwidth * PAGE_IN_VS_MEMCPY) + disk_bytes / disk_bandwidth``.
+    """
+    device = device_bytes / D / hardware.memory_bandwidth * PAGED_DECODE_VS_BANDWIDTH
+    host = host_bytes / D / (hardware.host_bandwidth * PAGE_IN_VS_MEMCPY)
+    disk = disk_bytes / hardware.disk_bandwidth if disk_bytes else 0.0
+    return float(device + host + disk)

@@ -1,0 +1,503 @@
+"""The planner's inputs and outputs: frozen dataclasses, validated when they are built.
+
+Inputs: :class:`ModelShape` (``L``, ``N``, ``K``, ``H`` and the KV format),
+:class:`LengthDistribution` (from samples or from p50 / p95 / p99), :class:`Workload` (model,
+lengths, prefix reuse, allowed quantization) and :class:`Hardware` (devices, memories, links).
+Outputs: :class:`Plan`, whose every field is a :class:`Decision` ``(value, reasons)``; a
+:class:`Reason` is ``(rule, text, numbers)``; :class:`Tiers` are bytes per tier.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from offload import _checks
+from offload._cost_model import (
+    CPU_MATMUL_FLOPS,
+    CPU_MEMCPY_BYTES_PER_S,
+    CPU_STEP_LATENCY_S,
+)
+from paged import KVFormat
+
+__all__ = [
+    "FLOAT_FORMATS",
+    "KV_FORMATS",
+    "QUANTIZED_FORMATS",
+    "Decision",
+    "Hardware",
+    "LengthDistribution",
+    "ModelShape",
+    "Plan",
+    "Reason",
+    "Tiers",
+    "Workload",
+]
+
+#: KV formats stored as plain floats, with their bytes per element.
+FLOAT_FORMATS = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Quantized KV formats (``paged.KVFormat`` kinds).
+QUANTIZED_FORMATS = ("int8", "fp8", "int4", "kivi2")
+#: Every KV format a :class:`ModelShape` accepts.
+KV_FORMATS = (*FLOAT_FORMATS, *QUANTIZED_FORMATS)
+
+# Normal quantiles of the 95th and 99th percentiles (for a log-normal through p50 and p99).
+_Z95, _Z99 = 1.6448536269514722, 2.3263478740408408
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The attention shape of a model and how its KV is stored.
+
+    Attributes:
+      layers: ``L``, attention layers.
+      query_heads: ``N``.
+      kv_heads: ``K`` (``N % K == 0``; ``K < N`` is GQA, ``K == N`` multi-head).
+      head_dim: ``H``.
+      kv_format: one of :data:`KV_FORMATS`: ``"float32"``, ``"bfloat16"``, ``"float16"``,
+        or a ``paged.KVFormat`` kind ``"int8"``, ``"fp8"``, ``"int4"``, ``"kivi2"``.
+      group_size: int4's group along ``H`` (``paged.KVFormat``'s ``group_size``, default 32).
+
+    Raises:
+      ValueError: on a non-positive size, ``N % K != 0``, an unknown format, or a head dim the
+        format cannot store (int4: ``H % group_size``; kivi2: ``H % 4``).
+
+    Example:
+      >>> llama = ModelShape(layers=80, query_heads=64, kv_heads=8, head_dim=128)
+      >>> llama.bytes_per_token(), llama.bytes_per_token("int4")
+      (327680, 92160)
+    """
+
+    layers: int
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+    kv_format: str = "bfloat16"
+    group_size: int = 32
+
+    def __post_init__(self):
+        fn = "ModelShape"
+        for name in ("layers", "query_heads", "kv_heads", "head_dim", "group_size"):
+            _checks.check_int(fn, name, getattr(self, name), low=1)
+        if self.query_heads % self.kv_heads:
+            raise ValueError(
+                f"{fn}: kv_heads: expected a divisor of query_heads={self.query_heads}, "
+                f"got {self.kv_heads}"
+            )
+        _checks.check_choice(fn, "kv_format", self.kv_format, KV_FORMATS)
+        if self.kv_format in QUANTIZED_FORMATS:
+            self.kv_spec(self.kv_format).check_head_dim(fn, "head_dim", self.head_dim)
+
+    def kv_spec(self, kv_format: str) -> KVFormat:
+        """The ``paged.KVFormat`` of a quantized ``kv_format`` (this model's group size)."""
+        if kv_format == "int4":
+            return KVFormat("int4", group_size=self.group_size)
+        return KVFormat(kv_format)
+
+    def supports(self, kv_format: str) -> bool:
+        """Whether ``kv_format`` can store this model's head dim."""
+        if kv_format in FLOAT_FORMATS:
+            return True
+        try:
+            self.kv_spec(kv_format).check_head_dim("ModelShape", "head_dim", self.head_dim)
+        except ValueError:
+            return False
+        return True
+
+    def bytes_per_token(self, kv_format: str | None = None, page_size: int = 16) -> int | float:
+        """KV bytes of one token, keys and values, all layers and kv heads, scales included.
+
+        ``2 * L * K * b`` where ``b`` is ``H * itemsize`` for a float format or
+        ``paged.KVFormat.bytes_per_token(H, page_size)`` for a quantized one (so the numbers
+        are the library's real pools'). kivi2's per-sequence float32 window is not per token:
+        see :meth:`residual_bytes`.
+
+        Args:
+          kv_format: a format of :data:`KV_FORMATS` (default: this model's).
+          page_size: ``C`` (kivi2's key scales are per page).
+        """
+        kv_format = self.kv_format if kv_format is None else kv_format
+        _checks.check_choice("ModelShape.bytes_per_token", "kv_format", kv_format, KV_FORMATS)
+        if kv_format in FLOAT_FORMATS:
+            per_head = self.head_dim * FLOAT_FORMATS[kv_format]
+        else:
+            per_head = self.kv_spec(kv_format).bytes_per_token(self.head_dim, page_size)
+        return 2 * self.layers * self.kv_heads * per_head
+
+    def residual_bytes(self, kv_format: str | None = None, page_size: int = 16) -> int:
+        """Bytes per sequence of kivi2's float32 window (``residual_pages(C)`` pages of keys
+        and values, all layers and kv heads); 0 for the other formats."""
+        kv_format = self.kv_format if kv_format is None else kv_format
+        if kv_format != "kivi2":
+            return 0
+        pages = self.kv_spec("kivi2").residual_pages(page_size)
+        return 2 * self.layers * self.kv_heads * pages * page_size * self.head_dim * 4
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of activations and of K/V on the wire: 4 for a float32 model,
+        2 otherwise."""
+        return 4 if self.kv_format == "float32" else 2
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDistribution:
+    """Context lengths (tokens per request) as a few statistics.
+
+    Build it with :meth:`from_samples` (observed lengths) or :meth:`from_percentiles`.
+
+    Attributes:
+      p50, p95, p99: percentiles in tokens (``1 <= p50 <= p95 <= p99``).
+      sigma: standard deviation in tokens (``>= 0``).
+      mean: mean in tokens (``> 0``).
+      max_length: the longest request (samples) or the longest allowed (``>= p99``), or
+        ``None`` when unknown.
+      count: number of samples, or ``None``.
+
+    Raises:
+      ValueError: on percentiles out of order, non-positive lengths, a negative or non-finite
+        sigma, or ``max_length < p99``.
+    """
+
+    p50: float
+    p95: float
+    p99: float
+    sigma: float
+    mean: float
+    max_length: int | None = None
+    count: int | None = None
+
+    def __post_init__(self):
+        fn = "LengthDistribution"
+        for name in ("p50", "p95", "p99", "mean"):
+            _checks.check_float(fn, name, getattr(self, name), low=0.0, low_open=True)
+        _checks.check_float(fn, "sigma", self.sigma, low=0.0)
+        if not self.p50 <= self.p95 <= self.p99:
+            raise ValueError(
+                f"{fn}: percentiles: expected p50 <= p95 <= p99, got p50={self.p50}, "
+                f"p95={self.p95}, p99={self.p99}"
+            )
+        if self.p50 < 1:
+            raise ValueError(f"{fn}: p50: expected at least 1 token, got {self.p50}")
+        if self.max_length is not None:
+            _checks.check_int(fn, "max_length", self.max_length, low=1)
+            if self.max_length < self.p99:
+                raise ValueError(
+                    f"{fn}: max_length: expected >= p99={self.p99}, got {self.max_length}"
+                )
+        if self.count is not None:
+            _checks.check_int(fn, "count", self.count, low=1)
+
+    @classmethod
+    def from_samples(cls, samples) -> "LengthDistribution":
+        """Statistics of observed lengths (numpy's linear percentiles, population ``std``).
+
+        Args:
+          samples: a non-empty 1-D sequence of positive integer lengths in tokens.
+
+        Raises:
+          ValueError: on an empty, non-1-D, non-integer or non-positive sample set.
+
+        Example:
+          >>> LengthDistribution.from_samples([100, 200, 300]).p50
+          200.0
+        """
+        fn = "LengthDistribution.from_samples"
+        x = np.asarray(samples)
+        if x.ndim != 1 or x.size == 0:
+            raise ValueError(f"{fn}: samples: expected a non-empty 1-D sequence, got {x.shape}")
+        if x.dtype.kind not in "iu":
+            if x.dtype.kind != "f" or not np.all(np.isfinite(x)) or np.any(x != np.round(x)):
+                raise ValueError(f"{fn}: samples: expected integer lengths, got dtype {x.dtype}")
+        if np.any(x < 1):
+            raise ValueError(f"{fn}: samples: expected lengths >= 1, got min {x.min()}")
+        x = x.astype(np.float64)
+        p50, p95, p99 = (float(v) for v in np.percentile(x, [50, 95, 99]))
+        return cls(
+            p50=p50,
+            p95=p95,
+            p99=p99,
+            sigma=float(np.std(x)),
+            mean=float(np.mean(x)),
+            max_length=int(x.max()),
+            count=int(x.size),
+        )
+
+    @classmethod
+    def from_percentiles(
+        cls, p50, p95, p99, *, sigma=None, mean=None, max_length=None
+    ) -> "LengthDistribution":
+        """Statistics from percentiles; ``sigma`` and ``mean`` default to those of the
+        log-normal through ``p50`` and ``p99`` (production lengths are long-tailed, rule 3).
+
+        With ``s = ln(p99 / p50) / z99``: ``mean = p50 * exp(s**2 / 2)``, ``sigma = p50 *
+        sqrt(exp(s**2) * (exp(s**2) - 1))``.
+
+        Args:
+          p50, p95, p99: percentiles in tokens, ``1 <= p50 <= p95 <= p99``.
+          sigma, mean: override the log-normal estimates.
+          max_length: the longest request allowed (caps the sizing length), or ``None``.
+
+        Raises:
+          ValueError: as the class.
+        """
+        fn = "LengthDistribution.from_percentiles"
+        named = (("p50", p50), ("p95", p95), ("p99", p99))
+        p50, p95, p99 = (_checks.check_float(fn, n, v, low=0.0, low_open=True) for n, v in named)
+        if not p50 <= p95 <= p99:
+            raise ValueError(
+                f"{fn}: percentiles: expected p50 <= p95 <= p99, got p50={p50}, p95={p95}, "
+                f"p99={p99}"
+            )
+        s2 = (math.log(p99 / p50) / _Z99) ** 2
+        if sigma is None:
+            sigma = p50 * math.sqrt(math.exp(s2) * math.expm1(s2))
+        if mean is None:
+            mean = p50 * math.exp(s2 / 2)
+        sigma = _checks.check_float(fn, "sigma", sigma, low=0.0)
+        mean = _checks.check_float(fn, "mean", mean, low=0.0, low_open=True)
+        return cls(p50=p50, p95=p95, p99=p99, sigma=sigma, mean=mean, max_length=max_length)
+
+    @property
+    def sizing_length(self) -> int:
+        """Rule 1: ``ceil(p95 + 2 sigma)``, capped at ``max_length`` when it is known."""
+        length = self.p95 + 2.0 * self.sigma
+        if self.max_length is not None:
+            length = min(length, float(self.max_length))
+        return math.ceil(length)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Devices, memories and links of a cluster (every size in bytes, every rate per second).
+
+    Attributes:
+      devices: accelerators available to one request's sequence-parallel group and its
+        replicas.
+      devices_per_node: devices joined by the fast intra-node link (``devices`` must be at most
+        this or a multiple of it).
+      device_memory: bytes per device available to the KV cache (after weights, activations).
+      device_flops: FLOP/s per device (dense matmul, the compute dtype).
+      memory_bandwidth: bytes/s of one device's memory.
+      intra_node_bandwidth, inter_node_bandwidth: bytes/s one device sends over each link.
+      host_memory: bytes of pinned host memory for KV, all nodes together (``>= 0``).
+      host_bandwidth: bytes/s between one device and host memory.
+      disk: bytes of disk (NVMe) for KV (``>= 0``).
+      disk_bandwidth: bytes/s of the disk.
+      disk_iops: the disk's operations per second before it saturates (rule 11: 100k/s).
+      collective_latency: seconds of fixed cost per step (a collective or a local call).
+      overlap: whether a ring's hops overlap with compute (accelerators: yes; CPU: no).
+
+    Raises:
+      ValueError: on a non-positive count, size or rate (host memory and disk may be 0), or
+        ``devices`` neither at most nor a multiple of ``devices_per_node``.
+    """
+
+    devices: int
+    devices_per_node: int
+    device_memory: int
+    device_flops: float | int
+    memory_bandwidth: float | int
+    intra_node_bandwidth: float | int
+    inter_node_bandwidth: float | int
+    host_memory: int = 0
+    host_bandwidth: float | int = 25e9
+    disk: int = 0
+    disk_bandwidth: float | int = 3e9
+    disk_iops: float | int = 100_000.0
+    collective_latency: float | int = 20e-6
+    overlap: bool = True
+
+    def __post_init__(self):
+        fn = "Hardware"
+        for name in ("devices", "devices_per_node", "device_memory"):
+            _checks.check_int(fn, name, getattr(self, name), low=1)
+        for name in ("host_memory", "disk"):
+            _checks.check_int(fn, name, getattr(self, name), low=0)
+        for name in (
+            "device_flops",
+            "memory_bandwidth",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+            "host_bandwidth",
+            "disk_bandwidth",
+            "disk_iops",
+        ):
+            _checks.check_float(fn, name, getattr(self, name), low=0.0, low_open=True)
+        _checks.check_float(fn, "collective_latency", self.collective_latency, low=0.0)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"{fn}: overlap: expected a bool, got {self.overlap!r}")
+        if self.devices > self.devices_per_node and self.devices % self.devices_per_node:
+            raise ValueError(
+                f"{fn}: devices: expected at most devices_per_node={self.devices_per_node} or "
+                f"a multiple of it, got {self.devices}"
+            )
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the devices span."""
+        return max(1, self.devices // self.devices_per_node)
+
+    @classmethod
+    def emulated_cpu(cls, *, device_memory: int = 2**30, host_memory: int = 0) -> "Hardware":
+        """This repo's benchmark machine: 8 emulated CPU devices sharing 2 cores.
+
+        FLOP/s and bandwidths are the machine's (``CPU_MATMUL_FLOPS``, ``CPU_MEMCPY_BYTES_PER_S``)
+        divided over the 8 devices that share them; no overlap; ``CPU_STEP_LATENCY_S``.
+        """
+        share = 8
+        return cls(
+            devices=8,
+            devices_per_node=8,
+            device_memory=device_memory,
+            device_flops=CPU_MATMUL_FLOPS / share,
+            memory_bandwidth=CPU_MEMCPY_BYTES_PER_S / share,
+            intra_node_bandwidth=CPU_MEMCPY_BYTES_PER_S / share,
+            inter_node_bandwidth=CPU_MEMCPY_BYTES_PER_S / share,
+            host_memory=host_memory,
+            host_bandwidth=CPU_MEMCPY_BYTES_PER_S / share,
+            collective_latency=CPU_STEP_LATENCY_S,
+            overlap=False,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What is served: the model, the lengths, the prefix reuse and what quantization is allowed.
+
+    Attributes:
+      model: a :class:`ModelShape`.
+      lengths: a :class:`LengthDistribution` of context lengths.
+      prefix_reuse: share of requests that start with the same shared prefix, in ``[0, 1]``.
+      prefix_tokens: tokens of that shared prefix (``>= 0``).
+      quantization: quantized formats the planner may switch to when the model's own format
+        does not fit (tried from the most bytes to the fewest; ``()``: never).
+      latency_tolerant: whether requests tolerate disk (NVMe) latency (incident C: batch
+        document analysis yes, real-time chat no).
+
+    Raises:
+      ValueError: on a share outside ``[0, 1]``, negative tokens, an unknown format.
+    """
+
+    model: ModelShape
+    lengths: LengthDistribution
+    prefix_reuse: float = 0.0
+    prefix_tokens: int = 0
+    quantization: tuple[str, ...] = ("int8", "int4")
+    latency_tolerant: bool = False
+
+    def __post_init__(self):
+        fn = "Workload"
+        if not isinstance(self.model, ModelShape):
+            raise ValueError(f"{fn}: model: expected a ModelShape, got {self.model!r}")
+        if not isinstance(self.lengths, LengthDistribution):
+            raise ValueError(f"{fn}: lengths: expected a LengthDistribution, got {self.lengths!r}")
+        _checks.check_float(fn, "prefix_reuse", self.prefix_reuse, low=0.0, high=1.0)
+        _checks.check_int(fn, "prefix_tokens", self.prefix_tokens, low=0)
+        if not isinstance(self.quantization, tuple):
+            raise ValueError(f"{fn}: quantization: expected a tuple, got {self.quantization!r}")
+        for kind in self.quantization:
+            _checks.check_choice(fn, "quantization", kind, QUANTIZED_FORMATS)
+        if not isinstance(self.latency_tolerant, bool):
+            raise ValueError(
+                f"{fn}: latency_tolerant: expected a bool, got {self.latency_tolerant!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+    """Why a value was chosen.
+
+    Attributes:
+      rule: the rule's id: an article rule (``"rule 1"``, ``"iron rule 3"``, ``"incident B"``),
+        ``"measured"`` (a benchmark in ``benchmarks/results/`` decides), ``"model"`` (plain
+        arithmetic on the inputs) or ``"cost model"``.
+      text: one sentence with the numbers in words.
+      numbers: the numbers the text uses, by name.
+    """
+
+    rule: str
+    text: str
+    numbers: dict = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.text}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """A planned value and the reasons that produced it (at least one)."""
+
+    value: object
+    reasons: tuple[Reason, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiers:
+    """Bytes of one request's KV in each tier (they sum to the request's KV bytes)."""
+
+    device: int
+    host: int
+    disk: int
+
+    @property
+    def total(self) -> int:
+        """Bytes placed in all tiers (less than the request's bytes when it does not fit)."""
+        return self.device + self.host + self.disk
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The planner's answer; every field is a :class:`Decision` (``.value``, ``.reasons``).
+
+    Attributes:
+      sizing_length: tokens one request is sized for (rule 1: p95 + 2 sigma, not max).
+      page_size: ``C`` in tokens, 4, 16 or 64 (rules 2 and 4).
+      kv_format: the planned KV format (the model's, or a quantized one that makes it fit).
+      kv_bytes_per_token: KV bytes per token in ``kv_format`` (all layers, keys and values).
+      kv_bytes_per_token_all_heads: the same in the model's format with ``K = N`` (how the
+        article counts Llama-3-70B: 2.5 MB instead of 320 KB).
+      kv_bytes_per_request: KV bytes of one request at ``sizing_length`` (whole pages).
+      pages_per_request: pages of one request.
+      sequence_parallel: whether the sequence is sharded over devices (iron rule 1).
+      degree: devices in the sequence-parallel group (1 without).
+      strategy: ``"ring"``, ``"ulysses"``, ``"usp"``, ``"allgather"`` or ``None``.
+      max_pages_per_device: pages of ``page_size`` one device's KV memory holds (the pool's
+        ``P``, page 0 being the reserved null page).
+      max_sequences_per_device: requests of ``sizing_length`` one device holds at once (each
+        request's share of the group's pages; 0 when one does not fit).
+      tiers: a :class:`Tiers` of one request's bytes on devices, pinned host and disk.
+      retention: how cold pages are handled (``"none"``: all resident; ``"fetch back"``).
+      prefix_saving: expected share of pages a prefix cache saves on this workload.
+      cost: a :class:`CostEstimate` of one prefill and one decode token.
+      fits: whether one request of ``sizing_length`` fits the cluster (all tiers).
+    """
+
+    sizing_length: Decision
+    page_size: Decision
+    kv_format: Decision
+    kv_bytes_per_token: Decision
+    kv_bytes_per_token_all_heads: Decision
+    kv_bytes_per_request: Decision
+    pages_per_request: Decision
+    sequence_parallel: Decision
+    degree: Decision
+    strategy: Decision
+    max_pages_per_device: Decision
+    max_sequences_per_device: Decision
+    tiers: Decision
+    retention: Decision
+    prefix_saving: Decision
+    cost: Decision
+    fits: Decision
+
+    def rows(self) -> list[tuple[str, object, str]]:
+        """``(field, value, reasons)`` rows for printing, reasons joined by ``"; "``."""
+        return [
+            (
+                f.name,
+                getattr(self, f.name).value,
+                "; ".join(map(str, getattr(self, f.name).reasons)),
+            )
+            for f in dataclasses.fields(self)
+        ]

@@ -1,0 +1,95 @@
+"""notebooks/planner.py runs end to end as a script and computes the right numbers.
+
+The notebook's jupytext source runs in a fresh process with ``NOTEBOOK_RESULTS`` pointing at a
+JSON file; every number it writes is checked against arithmetic done here, independently of the
+planner (numpy for the sizing percentile, bytes from the model shape, pages from the memory).
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NOTEBOOK = ROOT / "notebooks" / "planner.py"
+GiB = 2**30
+
+
+def _env(**extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _usable_pages(memory: int, page_bytes: int) -> int:
+    return memory // page_bytes - 1  # page 0 is the null page
+
+
+@pytest.mark.slow  # a fresh interpreter importing JAX: about 5 s on 2 shared cores
+def test_planner_notebook_computes_the_right_numbers(tmp_path):
+    results = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(NOTEBOOK)],
+        cwd=tmp_path,
+        env=_env(NOTEBOOK_RESULTS=str(results)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"{NOTEBOOK.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr}"
+    got = json.loads(results.read_text())
+
+    # 1. Llama-3-70B at 256K: 8 kv heads (real) and 64 (the article's count).
+    L, N, K, H, bf16 = 80, 64, 8, 128, 2
+    assert got["article kv bytes per token"] == 2 * L * K * H * bf16 == 327_680
+    assert got["article kv bytes per token, all heads"] == 2 * L * N * H * bf16 == 2_621_440
+    assert got["article kv bytes per request"] == 262_144 * 327_680 == 80 * GiB
+    page = 16 * 327_680
+    per_device = _usable_pages(60 * GiB, page)
+    degree = next(d for d in (1, 2, 4, 8) if math.ceil(262_144 // 16 / d) <= per_device)
+    assert got["article degree"] == degree == 2
+    assert got["article strategy"] in ("ring", "ulysses", "usp", "allgather")
+    # 64 kv heads: bf16 (640 GiB) exceeds 8 x 60 GiB; int8 (H + 4 bytes per head) fits on 8.
+    int8_token = 2 * L * N * (H + 4)
+    assert 262_144 * 2 * L * N * H * bf16 > 8 * 60 * GiB
+    assert math.ceil(262_144 / 16 / 8) <= _usable_pages(60 * GiB, 16 * int8_token)
+    assert math.ceil(262_144 / 16 / 4) > _usable_pages(60 * GiB, 16 * int8_token)
+    assert got["64 kv heads: kv format"] == "int8" and got["64 kv heads: degree"] == 8
+
+    # 2. Your own numbers: the same samples, redrawn here.
+    rng = np.random.default_rng(0)
+    samples = np.minimum(np.ceil(rng.lognormal(np.log(4096), 1.45, size=2000)), 1 << 20)
+    sizing = math.ceil(min(np.percentile(samples, 95) + 2 * np.std(samples), samples.max()))
+    assert got["yours: sizing length"] == sizing < samples.max()
+    assert got["yours: page size"] == 64  # 70% reuse > 50%
+    assert got["yours: prefix saving"] == pytest.approx(0.7 * 2048 / samples.mean())
+    token = 2 * 48 * 8 * 128 * 2
+    pages = math.ceil(sizing / 64)
+    assert got["yours: kv bytes per request"] == pages * 64 * token
+    assert got["yours: max sequences per device"] == _usable_pages(40 * GiB, 64 * token) // pages
+
+    # 3. The sweep: no parallelism under 128K; within one node (8) and host offload past 512K.
+    page = 16 * token
+    usable = _usable_pages(20 * GiB, page)
+    for length, degree in got["sweep degrees"].items():
+        length = int(length)
+        request_pages = math.ceil(length / 16)
+        host = got["sweep host bytes"][str(length)]
+        if length < 128 * 1024:
+            assert degree == 1 and host == 0
+            continue
+        limit = 8 if length > 512 * 1024 else 16
+        fitting = [d for d in range(1, limit + 1) if 16 % d == 0 and d <= limit]
+        fitting = [d for d in fitting if math.ceil(request_pages / d) <= usable]
+        if fitting:
+            assert degree == fitting[0] and host == 0, (length, degree, host)
+        else:
+            assert degree == 8
+            assert host == (request_pages - 8 * usable) * page, (length, host)
+    assert got["sweep host bytes"][str(1 << 20)] > 0
