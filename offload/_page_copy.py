@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from offload._host_pool import (
     as_named,
@@ -179,6 +181,100 @@ def _named_shard(shard):
     return jax.make_array_from_single_device_arrays(data.shape, as_named(data.sharding), [data])
 
 
+_SPACES = {PINNED_HOST: jax.memory.Space.Host}
+
+
+def _full_spec(sharding, ndim: int) -> tuple:
+    return tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+
+
+def _spmd_able(source, target, axis: int) -> bool:
+    """Whether one ``shard_map`` program can copy every leaf pair: named shardings over one
+    mesh, one partition spec per pair, the page axis split, a target kind it can address."""
+    for s, t in zip(_flat(source), _flat(target), strict=True):
+        ss, ts = s.sharding, t.sharding
+        if not (isinstance(ss, NamedSharding) and isinstance(ts, NamedSharding)):
+            return False
+        if ss.mesh != ts.mesh or _full_spec(ss, s.ndim) != _full_spec(ts, t.ndim):
+            return False
+        if _full_spec(ss, s.ndim)[axis] is None:
+            return False
+        if ss.memory_kind != ts.memory_kind and ts.memory_kind not in (
+            *_SPACES,
+            device_kind(ts),
+        ):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _copy_shards_fn(source_sharding, target_sharding, ndim: int, axis: int):
+    """Every device copies its own pages: ``target[dst[d, i]] = source[src[d, i]]`` for
+    ``i < count[d]`` in local ids, one program over the mesh (compiled once, not per device)."""
+    mesh = source_sharding.mesh
+    spec = P(*_full_spec(source_sharding, ndim))
+    ids_spec = P(spec[axis], None)
+    ids = NamedSharding(mesh, ids_spec, memory_kind=device_kind(source_sharding))
+    kind = target_sharding.memory_kind
+    space = None
+    if source_sharding.memory_kind != kind:
+        space = _SPACES.get(kind, jax.memory.Space.Device)
+
+    def local(source, target, src, dst, count):
+        def step(i, target):
+            page = _slice_page(source, src[0, i], axis)
+            if space is not None:
+                page = jax.device_put(page, space)
+            return _write_page(target, page, dst[0, i], axis)
+
+        return lax.fori_loop(0, count[0, 0], step, target), _async_marker(src)[None]
+
+    copy = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(spec, spec, ids_spec, ids_spec, ids_spec),
+        out_specs=(spec, P(spec[axis])),
+    )
+    marker = NamedSharding(mesh, P(spec[axis]), memory_kind=ids.memory_kind)
+    fn = jax.jit(
+        copy,
+        donate_argnums=1,
+        in_shardings=(source_sharding, target_sharding, ids, ids, ids),
+        out_shardings=(target_sharding, marker),
+    )
+
+    def run(source, target, src, dst, count):
+        # Explicit mesh axes: shard_map wants its inputs already laid out as in_specs say.
+        return fn(source, target, *jax.device_put((src, dst, count), (ids,) * 3))
+
+    return run
+
+
+def _copy_spmd(source, target, src: np.ndarray, dst: np.ndarray):
+    """:func:`_copy_per_shard` as one program per leaf over the whole mesh."""
+    axis = target[0].ndim - 3
+    shards = page_shards(target[0])
+    per_source = source[0].shape[axis] // shards
+    per_target = target[0].shape[axis] // shards
+    block = src // per_source  # == dst // per_target (check_same_shards)
+    counts = np.bincount(block, minlength=shards).astype(np.int32)
+    length = bucket(int(counts.max(initial=0)))
+    local_src = np.zeros((shards, length), np.int32)
+    local_dst = np.zeros((shards, length), np.int32)
+    for b in range(shards):
+        mine = block == b
+        local_src[b, : counts[b]] = src[mine] - b * per_source
+        local_dst[b, : counts[b]] = dst[mine] - b * per_target
+    arrays, markers = [], []
+    for s, t in zip(_flat(source), _flat(target), strict=True):
+        fn = _copy_shards_fn(s.sharding, t.sharding, t.ndim, axis)
+        new, marker = fn(s, t, local_src, local_dst, counts[:, None])
+        arrays.append(new)
+        markers.append(marker)
+    k, v = _unflat(target, arrays)
+    return k, v, markers
+
+
 def _copy_per_shard(source, target, src: np.ndarray, dst: np.ndarray):
     """The copy run by each device on its own shards (pools split along the page axis)."""
     axis = target[0].ndim - 3
@@ -225,7 +321,11 @@ def copy_pages(source, target, src: np.ndarray, dst: np.ndarray):
       (never donated, so a handle can poll them after the pools move on).
     """
     if page_shards(target[0]) > 1 or page_shards(source[0]) > 1:
-        k, v, markers = _copy_per_shard(source, target, src, dst)
+        axis = target[0].ndim - 3
+        if page_shards(target[0]) == page_shards(source[0]) and _spmd_able(source, target, axis):
+            k, v, markers = _copy_spmd(source, target, src, dst)
+        else:
+            k, v, markers = _copy_per_shard(source, target, src, dst)
     else:
         k, v, markers = _copy_global(source, target, src, dst)
     return k, v, tuple(markers)
