@@ -408,6 +408,7 @@ assert err_host < 1e-5
 
 # %%
 summary = {
+    "sizes": {"L": L_, "K": K, "C": C, "H": H, "B": B, "N": N, "S": S_POL, "M": M},
     "round trip exact": round_trip_exact,
     "bytes spilled": written,
     "bytes restored": read,
@@ -421,6 +422,10 @@ summary = {
     "model accuracy (quality.md)": model_accuracy,
     "host decode": {
         "tokens": TOKENS,
+        "page size": C_BIG,
+        "kv heads": K_BIG,
+        "head dim": H_BIG,
+        "hot pages per device": M_HOT,
         "error": err_host,
         "device-only relative error": device_only,
         "host fraction": host_fraction,

@@ -299,6 +299,7 @@ summary = {
         "counted": [waste_counted[p] for p in PAGE_SIZES],
         "page table bytes": [table_bytes[p] for p in PAGE_SIZES],
         "sequences": NUM_SEQS,
+        "lengths": [int(n) for n in lengths],
     },
     "decode": {"lengths": [int(n) for n in lens], "errors": decode_errors},
 }
