@@ -72,6 +72,8 @@ if "google.colab" in sys.modules and importlib.util.find_spec("examples") is Non
     if not os.path.isdir("jax-longctx"):
         subprocess.run(["git", "clone", "--depth", "1", REPOSITORY, "jax-longctx"], check=True)
     sys.path.insert(0, os.path.abspath("jax-longctx"))
+elif importlib.util.find_spec("examples") is None and os.path.isdir("../examples"):
+    sys.path.insert(0, os.path.abspath(".."))  # Jupyter started in notebooks/ of a clone
 
 # %%
 import jax

@@ -315,7 +315,7 @@ else:
 
 # %%
 D = 8
-TOKENS = int(os.environ.get("NOTEBOOK_TOKENS", 0)) or (20480 if SMALL else 102400)
+TOKENS = int(os.environ.get("NOTEBOOK_TOKENS") or 0) or (20480 if SMALL else 102400)
 C_BIG = 128
 HOT_EVERY = 5  # one page in five stays on the device: 80% go to host
 N_BIG, K_BIG, H_BIG = 8, 2, 64
