@@ -265,7 +265,8 @@ def test_offload_tiers_notebook(tmp_path):
     assert all(len(acc) == 5 and all(0 <= a <= 100 for a in acc) for acc in model.values())
     # Decode against a cache 80% in pinned host memory, sharded over 8 devices: exact.
     host = computed["host decode"]
-    assert host["error"] < 1e-5 and host["host fraction"] == 0.8
+    assert host["error"] < 1e-5 and host["relative error"] < 1e-5 and host["decode steps"] >= 1
+    assert host["host fraction"] == 0.8
     assert host["device-only relative error"] > 0.1  # the fetched pages mattered
     pages_per_device = host["tokens"] // (8 * host["page size"])
     hot = host["hot pages per device"]
