@@ -65,15 +65,15 @@ import os
 import sys
 
 if "google.colab" in sys.modules and importlib.util.find_spec("examples") is None:
-    # The example model and its checkpoint are in the repository: clone it beside the notebook.
+    # The example model and its checkpoint are in the repository: clone it and work there.
     import subprocess
 
     REPOSITORY = "https://github.com/jax-longctx/jax-longctx"  # pyproject.toml [project.urls]
     if not os.path.isdir("jax-longctx"):
         subprocess.run(["git", "clone", "--depth", "1", REPOSITORY, "jax-longctx"], check=True)
-    sys.path.insert(0, os.path.abspath("jax-longctx"))
+    os.chdir("jax-longctx")  # the kernel imports from its working directory
 elif importlib.util.find_spec("examples") is None and os.path.isdir("../examples"):
-    sys.path.insert(0, os.path.abspath(".."))  # Jupyter started in notebooks/ of a clone
+    os.chdir("..")  # Jupyter started in notebooks/ of a clone: work from the repository root
 
 # %%
 import jax
