@@ -134,8 +134,9 @@ print(f"teacher-forced accuracy at {LENGTH} tokens, {SAMPLES} fresh samples: {fu
 # Passkey prompts end at the question; the model must emit the 8 digits it saw at a random
 # depth. `Server.generate` prefills the prompts into pages (chunked, attending with
 # `paged.ragged_paged_attention`), then decodes all rows in one jitted loop. The first prompt
-# is also decoded by the oracle that recomputes the whole sequence every step: the tokens
-# must agree. A second call with the same prompts finds their pages in the prefix cache.
+# is also decoded by the oracle that recomputes the whole sequence every step (its first 4
+# tokens at the small size: one compilation per length): the tokens must agree. A second
+# call with the same prompts finds their pages in the prefix cache.
 
 # %%
 cfg = data.TaskConfig("passkey", length=LENGTH + 1, key_len=KEY_LEN)
@@ -168,7 +169,8 @@ t0 = time.perf_counter()
 again = run(server)
 second_seconds = time.perf_counter() - t0
 hit_rate = server.allocator.stats().prefix_hit_rate
-oracle = generate.generate_dense(model, prompts[0], KEY_LEN, attention.blockwise())
+ORACLE_TOKENS = 4 if SMALL else KEY_LEN  # greedy decoding: a prefix of the same answer
+oracle = generate.generate_dense(model, prompts[0], ORACLE_TOKENS, attention.blockwise())
 paged_accuracy = float(np.mean((paged_out == answers).all(1)))
 print(
     f"paged decode: {paged_accuracy:.0%} of {SAMPLES} passkeys exact ({first_seconds:.1f} s "
@@ -176,7 +178,7 @@ print(
     f"over both calls {hit_rate:.0%}"
 )
 print("prompt 0: answer", answers[0], "| paged", paged_out[0], "| oracle", oracle)
-assert (oracle == paged_out[0]).all() and (again == paged_out).all()
+assert (oracle == paged_out[0, :ORACLE_TOKENS]).all() and (again == paged_out).all()
 
 # %% [markdown]
 # ## 3. Offload most of the prompt to pinned host memory
@@ -267,7 +269,8 @@ summary = {
     "samples": SAMPLES,
     "teacher-forced accuracy": full_forward,
     "paged accuracy": paged_accuracy,
-    "oracle agrees": bool((oracle == paged_out[0]).all()),
+    "oracle agrees": bool((oracle == paged_out[0, :ORACLE_TOKENS]).all()),
+    "oracle tokens": ORACLE_TOKENS,
     "second call agrees": bool((again == paged_out).all()),
     "prefix hit rate": hit_rate,
     "demote agrees": bool((demoted == paged_out).all()),
