@@ -20,8 +20,10 @@ References:
   Transformers for Near-Infinite Context", 2023.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, Shaped
 
 from ringattn._checks import IntLike, check_int, fail
@@ -57,6 +59,21 @@ def _check_sequence(fn: str, x, layout: str, num_shards, axis) -> tuple[int, int
             length,
         )
     return axis, length, num_shards
+
+
+def _along_replicated(x, axis: int):
+    """``x`` with ``axis`` gathered if it is split over Explicit mesh axes, and the function
+    that splits a result of the same shape back the same way (identity otherwise).
+
+    The layout permutations move tokens across shards, so on an explicitly sharded sequence
+    they need the sequence whole: reshaping it in place is ambiguous to JAX's sharding types.
+    """
+    sharding = jax.typeof(x).sharding
+    spec = getattr(sharding, "spec", None)
+    if spec is None or len(spec) <= axis or spec[axis] is None:
+        return x, lambda y: y
+    whole = sharding.update(spec=P(*(None if i == axis else s for i, s in enumerate(spec))))
+    return jax.sharding.reshard(x, whole), lambda y: jax.sharding.reshard(y, sharding)
 
 
 def to_layout(
@@ -95,6 +112,11 @@ def to_layout(
     n = num_shards
     if layout == "contiguous" or n == 1:
         return x
+    x, restore = _along_replicated(x, axis)
+    return restore(_to_layout(x, layout, n, axis, length))
+
+
+def _to_layout(x, layout: str, n: int, axis: int, length: int):
     before, after = x.shape[:axis], x.shape[axis + 1 :]
     a = len(before)
     if layout == "striped":
@@ -139,6 +161,11 @@ def from_layout(
     n = num_shards
     if layout == "contiguous" or n == 1:
         return x
+    x, restore = _along_replicated(x, axis)
+    return restore(_from_layout(x, layout, n, axis, length))
+
+
+def _from_layout(x, layout: str, n: int, axis: int, length: int):
     before, after = x.shape[:axis], x.shape[axis + 1 :]
     a = len(before)
     if layout == "striped":

@@ -4,8 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ringattn._layout import LAYOUTS, from_layout, shard_positions, to_layout
+from tests._util import make_test_mesh
 
 
 def _positions_numpy(layout: str, i: int, n: int, local: int) -> np.ndarray:
@@ -63,6 +66,25 @@ def test_round_trip_under_jit_and_bfloat16():
     for y in round_trips(x):
         assert y.dtype == jnp.bfloat16
         np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_layouts_of_sharded_sequences(axis_type):
+    """Sequences already split over a mesh (batch and sequence axes): each layout gives the
+    numpy permutation, eagerly and under jit, round trips, and over Explicit axes keeps the
+    input's sharding (the permutation crosses shards, so it runs on the gathered axis)."""
+    mesh = make_test_mesh((2, 4), ("b", "s"), axis_type=axis_type)
+    x = np.arange(2 * 32 * 3, dtype=np.float32).reshape(2, 32, 3)
+    xs = jax.device_put(x, NamedSharding(mesh, P("b", "s", None)))
+    for layout in ("zigzag", "striped"):
+        order = np.concatenate([_positions_numpy(layout, i, 4, 8) for i in range(4)])
+        for fn in (to_layout, jax.jit(to_layout, static_argnames=("layout", "num_shards"))):
+            y = fn(xs, layout=layout, num_shards=4)
+            np.testing.assert_array_equal(np.asarray(y), x[:, order])
+            back = from_layout(y, layout, num_shards=4)
+            np.testing.assert_array_equal(np.asarray(back), x)
+            if axis_type == AxisType.Explicit:
+                assert y.sharding.spec == back.sharding.spec == P("b", "s", None)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
