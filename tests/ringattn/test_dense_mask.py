@@ -52,6 +52,7 @@ def test_hashable_by_contents_and_combinators():
     assert m1 == m2
 
 
+@pytest.mark.slow  # ~60 s of the default run on 2 cores; CI runs it with the slow tests
 @settings(max_examples=8, deadline=None)
 @given(
     T=st.integers(1, 14),

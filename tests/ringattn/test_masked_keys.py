@@ -197,6 +197,7 @@ def test_decode_slots_beyond_lengths():
     _check(attend, q, k, v, jnp.asarray(hidden))
 
 
+@pytest.mark.slow  # ~60 s of the default run on 2 cores; CI runs it with the slow tests
 @settings(max_examples=8, deadline=None)
 @given(
     T=st.integers(1, 12),
