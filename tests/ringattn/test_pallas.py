@@ -111,7 +111,8 @@ def _check(case, dtype, *, use_jit=True, blocks=BLOCKS, grads=True):
 
 def test_combined_masks_gqa_forward_and_gradients():
     # GQA, T != S, lengths not multiples of the blocks, causal + per-head windows + softcap +
-    # packed segments with a query offset (a suffix chunk), in one compile.
+    # packed segments with a query offset (a suffix chunk), in one compile. The block pairs
+    # include all three kinds (skipped, unmasked and masked) forward and backward.
     case = (
         1,
         11,
@@ -122,9 +123,9 @@ def test_combined_masks_gqa_forward_and_gradients():
         dict(
             causal=True,
             offset=True,
-            window=(5, None, 3, 9),
+            window=(16, None, 12, 24),
             softcap=4.0,
-            segments=((6,), (9, 14)),
+            segments=((8,), (16,)),
         ),
     )
     _check(case, jnp.float32)
