@@ -169,6 +169,41 @@ def test_block_sizes_defaults_clamping_and_power_of_two_rule():
         pallas_blocks(None, 3, 4096, 4096, False)  # G = 3: 126 rows
 
 
+def test_kernels_lower_to_triton_for_cuda_without_a_gpu():
+    # jax.export lowers for CUDA on any host: this checks that Pallas's Triton lowering takes
+    # the three kernels (block shapes, loads, loops, conds) with every option on, GQA, a head
+    # dim that is padded (80 -> 128) and lengths that are not powers of two. Compiling the
+    # Triton IR to PTX and running it needs a GPU and is not checked here.
+    from jax import export
+
+    from ringattn._blocks import window_table
+    from ringattn._pallas import PallasConfig, pallas_attention
+
+    B, T, S, N, K, H = 2, 200, 300, 8, 2, 80
+    spec = MaskSpec(causal=True, window=(64, None, 128, 32, 64, None, 128, 32), softcap=30.0)
+    fwd, bwd = pallas_blocks(None, N // K, T, S, interpret=False)
+    cfg = PallasConfig(spec, spec.scale_for(H), *fwd, *bwd, interpret=False)
+    table = window_table(np.asarray([64, 0, 128, 32, 64, 0, 128, 32], np.int32), B, K)
+
+    def loss(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+        out, lse = pallas_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+    shapes = [
+        jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16),
+        *(jax.ShapeDtypeStruct((B, L), jnp.int32) for L in (T, S, T, S)),
+    ]
+    triton = "__gpu$xla.gpu.triton"
+    exported = export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+        platforms=("cuda",),
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
+    )(*shapes)
+    assert exported.mlir_module().count(f"@{triton}(") == 3  # forward, dq, dk/dv
+
+
 # ---------------------------------------------------------------- the full matrix (slow)
 
 CASES = {
