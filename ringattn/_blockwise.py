@@ -9,6 +9,9 @@ forward kernel (:mod:`ringattn._kernels_forward`) under a ``custom_vjp`` whose b
 Block pairs that the mask hides entirely are skipped, so keys no query can see are never
 read; in partial blocks they are selected away (``where``), so NaN or inf stored in a masked
 key or value reaches neither the output nor any gradient.
+
+``impl="pallas"`` runs the same computation as Pallas kernels (:mod:`ringattn._pallas`:
+Triton on GPU, interpret mode on CPU); ``impl="auto"`` picks them on GPU only.
 """
 
 import dataclasses
