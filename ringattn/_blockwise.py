@@ -9,6 +9,9 @@ forward kernel (:mod:`ringattn._kernels_forward`) under a ``custom_vjp`` whose b
 Block pairs that the mask hides entirely are skipped, so keys no query can see are never
 read; in partial blocks they are selected away (``where``), so NaN or inf stored in a masked
 key or value reaches neither the output nor any gradient.
+
+``impl="pallas"`` runs the same computation as Pallas kernels (:mod:`ringattn._pallas`:
+Triton on GPU, interpret mode on CPU); ``impl="auto"`` picks them on GPU only.
 """
 
 import dataclasses
@@ -24,6 +27,7 @@ from ringattn._checks import FloatLike, IntLike, check_int, describe, fail
 from ringattn._heads_major import attention_backward, attention_delta, attention_forward
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
+from ringattn._pallas import PallasConfig, pallas_attention, pallas_blocks
 from ringattn._varying import cast_varying, varying_axes
 
 __all__ = ["BlockSizes", "blockwise_attention"]
@@ -148,6 +152,36 @@ def _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, mask, block_sizes):
     return apply_sinks(out, lse, sinks)
 
 
+IMPLS = ("auto", "xla", "pallas")
+
+
+def resolve_impl(fn: str, impl, backend: str) -> str:
+    """``"xla"`` or ``"pallas"`` for ``impl`` on ``backend`` (``jax.default_backend()``).
+
+    ``"auto"`` is Pallas on GPU and XLA elsewhere (CPU; TPU until a Mosaic variant exists).
+    ``"pallas"`` on CPU runs the kernels in interpret mode; on TPU it raises
+    NotImplementedError (the kernels target Triton).
+    """
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise fail(fn, "impl", "one of 'auto', 'xla', 'pallas'", describe(impl))
+    if impl == "auto":
+        return "pallas" if backend == "gpu" else "xla"
+    if impl == "pallas" and backend not in ("gpu", "cpu"):
+        raise NotImplementedError(
+            f"{fn}: impl='pallas' is implemented for GPU (Triton) and CPU (interpret mode), "
+            f"not for the {backend!r} backend; use impl='xla'"
+        )
+    return impl
+
+
+@functools.partial(jax.jit, static_argnums=(8, 9))
+def _blockwise_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, mask, cfg):
+    windows = head_windows(mask, q.shape[2])
+    table = None if windows is None else window_table(windows, q.shape[0], k.shape[2])
+    out, lse = pallas_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+    return apply_sinks(out, lse, sinks)
+
+
 def blockwise_attention(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B S K H"],
@@ -162,6 +196,7 @@ def blockwise_attention(
     positions: Positions | None = None,
     sinks: Float[Array, " N"] | None = None,
     block_sizes: BlockSizes | None = None,
+    impl: str = "auto",
 ) -> AttentionOutput:
     """Exact attention computed block by block, never materialising the ``T x S`` matrix.
 
@@ -189,7 +224,14 @@ def blockwise_attention(
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` of packed documents.
       positions: :class:`ringattn.Positions` ``(q [B, T], kv [B, S])``, default ``arange``.
       sinks: ``[N]`` per-head sink logit (joins the softmax denominator once), or None.
-      block_sizes: :class:`ringattn.BlockSizes`; default ``BlockSizes()``.
+      block_sizes: :class:`ringattn.BlockSizes`; default ``BlockSizes()`` for the XLA path,
+        and for Pallas ``128 // G`` query positions (``128`` rows) by ``64`` keys forward,
+        ``64 // G`` by ``64`` backward (``G = N // K``); sizes are clamped to the next power
+        of two of the lengths, and the compiled (GPU) kernels need ``block_q * G`` and
+        ``block_kv`` to be powers of two.
+      impl: ``"auto"`` (Pallas on GPU, the XLA path on CPU and TPU), ``"xla"`` or
+        ``"pallas"`` (Pallas kernels: Triton on GPU, interpret mode on CPU). Pallas does
+        not take a :class:`ringattn.DenseMask`.
 
     Returns:
       :class:`ringattn.AttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N]
@@ -199,7 +241,10 @@ def blockwise_attention(
     Raises:
       ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, a zero head dim or head
         count, segment ids or positions of the wrong type, shape or dtype, a bad window,
-        softcap, scale, sinks or block size, or both ``mask`` and a keyword.
+        softcap, scale, sinks or block size, an unknown ``impl``, or both ``mask`` and a
+        keyword.
+      NotImplementedError: ``impl="pallas"`` with a DenseMask, on a TPU, or with block
+        sizes the compiled kernel cannot take.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -227,10 +272,19 @@ def blockwise_attention(
         sinks=sinks,
         dense_ok=True,
     )
+    given_blocks = block_sizes
     block_sizes = check_block_sizes(fn, block_sizes)
+    impl = resolve_impl(fn, impl, jax.default_backend())
+    if impl == "pallas" and spec.dense is not None:
+        raise NotImplementedError(f"{fn}: impl='pallas' does not support mask.dense (DenseMask)")
     if B == 0 or T == 0 or S == 0:
         return apply_sinks(*empty_attention(q, k, v), sinks)
     q_pos = arange_positions(B, T) if pos.q is None else pos.q
     kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv
     q_seg, kv_seg = (None, None) if seg is None else seg
+    if impl == "pallas":
+        interpret = jax.default_backend() == "cpu"
+        fwd, bwd = pallas_blocks(given_blocks, N // K, T, S, interpret)
+        cfg = PallasConfig(spec, spec.scale_for(H), *fwd, *bwd, interpret=interpret)
+        return _blockwise_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec, cfg)
     return _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec, block_sizes)

@@ -371,3 +371,18 @@ def test_bench_million_tiny_run_is_exact_with_an_80_20_split(tmp_path):
     for _, on_device, _, pinned in rows:  # every device holds both tiers, 4:1
         assert 3.5 <= float(pinned) / float(on_device) <= 4.5, (on_device, pinned)
     assert "within the float32 tolerance" in text and "decode step" in text
+
+
+@pytest.mark.slow  # ~30-60 s on 2 shared cores: every kernel compiles in interpret mode
+def test_bench_accel_interpret_smoke_agrees_and_cpu_run_exits_cleanly(capsys):
+    from benchmarks import bench_accel
+
+    errors = bench_accel.interpret_smoke()
+    names = {key.split("/")[0] for key in errors}
+    assert {"pallas", "xla"} <= names
+    assert all(np.isfinite(e) and e <= 2e-2 for e in errors.values())
+    # 4 * B * N * H * T * S forward, half causal, 3.5x with the backward.
+    assert bench_accel.attention_flops(1, 8, 8, 2, 4, False, False) == 4 * 2 * 4 * 64
+    assert bench_accel.attention_flops(1, 8, 8, 2, 4, True, True) == 4 * 2 * 4 * 64 * 0.5 * 3.5
+    assert bench_accel.main([]) == 0  # on CPU: says it needs a GPU
+    assert "needs a GPU" in capsys.readouterr().out

@@ -1,0 +1,250 @@
+"""Attention kernels on one GPU: ringattn's Pallas kernels against cuDNN, XLA and JAX's mha.
+
+Times, in bfloat16 with ``B = 1``, at ``T = S`` in 4K..128K (``--lengths``), forward and
+forward+backward, interleaved per length:
+  * ``pallas``: ``ringattn.blockwise_attention(impl="pallas")`` (returns ``(out, lse)``);
+  * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (no log-sum-exp);
+  * ``xla``: ``ringattn.blockwise_attention(impl="xla")`` (up to ``--max-xla-length``);
+  * ``jax_mha``: ``jax.experimental.pallas.ops.gpu.attention.mha`` (JAX's Triton kernel;
+    MHA only, so it runs when ``--kv-heads`` equals ``--heads``).
+Each result is also achieved TFLOP/s (``4 B N H T S`` matmul FLOPs forward, halved when
+causal; 3.5 times that for forward+backward) and its fraction of ``--peak-tflops`` (default:
+H200 dense bfloat16, 989).
+
+Usage (from the repository root):
+  JAX_PLATFORMS=cuda python -m benchmarks.bench_accel            # 4K..128K, both masks
+  JAX_PLATFORMS=cuda python -m benchmarks.bench_accel --quick    # 4K and 16K, non-causal
+  python -m benchmarks.bench_accel --interpret-smoke             # CPU: each path once, tiny
+
+Without a GPU it prints that it needs one and exits 0, except with ``--interpret-smoke``,
+which runs every implementation that exists on CPU once at a tiny size (the Pallas kernels
+in interpret mode), checks each against ``ringattn.attention_reference`` and writes nothing.
+"""
+
+import functools
+import math
+import os
+import sys
+
+from benchmarks import _common
+
+PEAK_TFLOPS_H200_BF16 = 989.0
+DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def attention_flops(B, T, S, N, H, causal: bool, backward: bool) -> float:
+    """Matmul FLOPs of attention: ``4 B N H T S`` forward (half when causal), x3.5 with bwd."""
+    fwd = 4.0 * B * N * H * T * S * (0.5 if causal else 1.0)
+    return fwd * (3.5 if backward else 1.0)
+
+
+def make_impls(causal: bool, *, interpret: bool, mha_ok: bool):
+    """name -> ``attend(q, k, v) -> out`` for every implementation available here."""
+    import jax
+
+    from ringattn import blockwise_attention
+
+    impls = {
+        "pallas": lambda q, k, v: blockwise_attention(q, k, v, causal=causal, impl="pallas").out,
+        "xla": lambda q, k, v: blockwise_attention(q, k, v, causal=causal, impl="xla").out,
+    }
+    if not interpret:
+        impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"
+        )
+    if mha_ok:
+        try:
+            from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+        except ImportError:  # pragma: no cover - depends on the JAX build
+            gpu_attention = None
+        if gpu_attention is not None:
+
+            def jax_mha(q, k, v):
+                scale = 1.0 / math.sqrt(q.shape[-1])
+                blocks = gpu_attention.BlockSizes.get_default()
+                if interpret:  # tiny smoke sizes: blocks no larger than the sequence
+                    blocks = gpu_attention.BlockSizes(
+                        block_q=16,
+                        block_k=16,
+                        block_q_dkv=16,
+                        block_kv_dkv=16,
+                        block_q_dq=16,
+                        block_kv_dq=16,
+                    )
+                return gpu_attention.mha(
+                    q,
+                    k,
+                    v,
+                    None,
+                    sm_scale=scale,
+                    causal=causal,
+                    block_sizes=blocks,
+                    interpret=interpret,
+                )
+
+            impls["jax_mha"] = jax_mha
+    return impls
+
+
+def forward_and_backward(attend):
+    """``(jit forward, jit forward+backward)`` of ``attend``; the loss is ``sum(out * w)``."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, k, v, w):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * w)
+
+    fwd = jax.jit(attend)
+    bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return fwd, bwd
+
+
+def _inputs(B, T, N, K, H, dtype, seed=0):
+    import jax
+
+    kq, kk, kv, kw = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (B, T, N, H), dtype)
+    k = jax.random.normal(kk, (B, T, K, H), dtype)
+    v = jax.random.normal(kv, (B, T, K, H), dtype)
+    w = jax.random.normal(kw, (B, T, N, H), "float32")
+    return q, k, v, w
+
+
+def interpret_smoke() -> dict[str, float]:
+    """Every implementation available on CPU once, tiny, against the reference.
+
+    Returns:
+      ``"<impl>/<pass>" -> max abs error`` against :func:`ringattn.attention_reference`.
+
+    Raises:
+      AssertionError: an error above 2e-2 (bfloat16 inputs, float32 reference).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from ringattn import attention_reference
+
+    B, T, N, H = 1, 32, 2, 16
+    q, k, v, w = _inputs(B, T, N, N, H, jnp.bfloat16)
+    errors = {}
+    for causal in (False, True):
+        ref = functools.partial(
+            lambda causal, q, k, v: attention_reference(q, k, v, causal=causal).out, causal
+        )
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        want_fwd, want_bwd = forward_and_backward(ref)
+        want_out, want_grads = want_fwd(*f32), want_bwd(*f32, w)
+        for name, attend in make_impls(causal, interpret=True, mha_ok=True).items():
+            fwd, bwd = forward_and_backward(attend)
+            out = fwd(q, k, v)
+            grads = bwd(q, k, v, w)
+            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want_out)))
+            gerr = max(
+                float(jnp.max(jnp.abs(g.astype(jnp.float32) - wg)) / (1 + jnp.max(jnp.abs(wg))))
+                for g, wg in zip(grads, want_grads, strict=True)
+            )
+            tag = "causal" if causal else "full"
+            errors[f"{name}/{tag}/forward"] = err
+            errors[f"{name}/{tag}/backward (relative)"] = gerr
+            assert err <= 2e-2 and gerr <= 2e-2, (name, tag, err, gerr)
+            jax.block_until_ready(grads)
+    return errors
+
+
+def main(argv=None):
+    parser = _common.make_parser(__doc__)
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS_H200_BF16)
+    parser.add_argument("--lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-xla-length", type=int, default=32768)
+    parser.add_argument("--causal", choices=("both", "no", "yes"), default="both")
+    parser.add_argument("--interpret-smoke", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.interpret_smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        errors = interpret_smoke()
+        for key, err in errors.items():
+            print(f"{key}: max error {err:.2e}")
+        print(
+            "interpret smoke: pallas, xla and jax_mha agree with the reference "
+            "(cudnn is GPU only: not run)"
+        )
+        return 0
+
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        print(
+            "bench_accel needs a GPU (JAX_PLATFORMS=cuda); this machine's backend is "
+            f"{jax.default_backend()!r}. Use --interpret-smoke for a CPU check."
+        )
+        return 0
+
+    run = _common.start_run("bench_accel", args, cpu_devices=None)
+    lengths = args.lengths or ((4096, 16384) if args.quick else DEFAULT_LENGTHS)
+    masks = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    if args.quick:
+        masks = (False,)
+    B, N, K, H = 1, args.heads, args.kv_heads, args.head_dim
+    device = jax.devices()[0]
+    lines = [
+        f"Device: {device.device_kind}, JAX {jax.__version__}; bfloat16, B = {B}, N = {N}, "
+        f"K = {K}, H = {H}; peak {args.peak_tflops:.0f} TFLOP/s; best of {args.repeats} "
+        "interleaved runs after a warm-up (compile).",
+        "",
+        "| mask | T = S | impl | fwd ms | fwd TFLOP/s | % peak | fwd+bwd ms | fwd+bwd TFLOP/s "
+        "| % peak | fwd vs cudnn | fwd+bwd vs cudnn |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for causal in masks:
+        for T in lengths:
+            q, k, v, w = _inputs(B, T, N, K, H, jnp.bfloat16)
+            impls = make_impls(causal, interpret=False, mha_ok=N == K)
+            if T > args.max_xla_length:
+                impls.pop("xla")
+            fns, failed = {}, {}
+            for name, attend in impls.items():
+                fwd, bwd = forward_and_backward(attend)
+                try:
+                    jax.block_until_ready(fwd(q, k, v))
+                    jax.block_until_ready(bwd(q, k, v, w))
+                except Exception as e:  # report it and keep measuring the rest
+                    failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    continue
+                fns[f"{name}/fwd"] = functools.partial(fwd, q, k, v)
+                fns[f"{name}/bwd"] = functools.partial(bwd, q, k, v, w)
+            timing = _common.time_interleaved(fns, repeats=args.repeats, warmup=0)
+            best = {key: t.best for key, t in timing.items()}
+            tag = "causal" if causal else "full"
+            for name in impls:
+                if name in failed:
+                    lines.append(f"| {tag} | {T} | {name} | failed: {failed[name]} |")
+                    continue
+                f, b = best[f"{name}/fwd"], best[f"{name}/bwd"]
+                tf = attention_flops(B, T, T, N, H, causal, False) / f / 1e12
+                tb = attention_flops(B, T, T, N, H, causal, True) / b / 1e12
+                rf = rb = "n/a"
+                if "cudnn/fwd" in best:
+                    rf = f"{best['cudnn/fwd'] / f:.2f}"
+                    rb = f"{best['cudnn/bwd'] / b:.2f}"
+                lines.append(
+                    f"| {tag} | {T} | {name} | {f * 1e3:.2f} | {tf:.0f} | "
+                    f"{100 * tf / args.peak_tflops:.0f} | {b * 1e3:.2f} | {tb:.0f} | "
+                    f"{100 * tb / args.peak_tflops:.0f} | {rf} | {rb} |"
+                )
+            print("\n".join(lines[-len(impls) :]), flush=True)
+    lines += [
+        "",
+        "`vs cudnn` is cuDNN's time over this implementation's (above 1: faster than cuDNN).",
+    ]
+    run.write("Attention kernels on one GPU", lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
