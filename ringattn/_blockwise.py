@@ -11,7 +11,8 @@ read; in partial blocks they are selected away (``where``), so NaN or inf stored
 key or value reaches neither the output nor any gradient.
 
 ``impl="pallas"`` runs the same computation as Pallas kernels (:mod:`ringattn._pallas`:
-Triton on GPU, interpret mode on CPU); ``impl="auto"`` picks them on GPU only.
+Triton on GPU, interpret mode on CPU); ``impl="auto"`` still picks the XLA path everywhere:
+the compiled kernels have not yet run on a GPU (see ``AUTO_PALLAS_BACKENDS``).
 """
 
 import dataclasses
@@ -153,19 +154,24 @@ def _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, mask, block_sizes):
 
 
 IMPLS = ("auto", "xla", "pallas")
+# Backends on which impl="auto" picks the Pallas kernels. Empty until the compiled (Triton)
+# kernels have run and been checked on a GPU (benchmarks/bench_accel.py); only interpret mode
+# and the lowering to Triton IR are tested so far, so "auto" must not hand an unrun kernel to
+# every GPU user. Add "gpu" here once they have.
+AUTO_PALLAS_BACKENDS: frozenset[str] = frozenset()
 
 
 def resolve_impl(fn: str, impl, backend: str) -> str:
     """``"xla"`` or ``"pallas"`` for ``impl`` on ``backend`` (``jax.default_backend()``).
 
-    ``"auto"`` is Pallas on GPU and XLA elsewhere (CPU; TPU until a Mosaic variant exists).
+    ``"auto"`` is Pallas on :data:`AUTO_PALLAS_BACKENDS` (none yet) and XLA elsewhere.
     ``"pallas"`` on CPU runs the kernels in interpret mode; on TPU it raises
     NotImplementedError (the kernels target Triton).
     """
     if not isinstance(impl, str) or impl not in IMPLS:
         raise fail(fn, "impl", "one of 'auto', 'xla', 'pallas'", describe(impl))
     if impl == "auto":
-        return "pallas" if backend == "gpu" else "xla"
+        return "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
     if impl == "pallas" and backend not in ("gpu", "cpu"):
         raise NotImplementedError(
             f"{fn}: impl='pallas' is implemented for GPU (Triton) and CPU (interpret mode), "
@@ -229,7 +235,8 @@ def blockwise_attention(
         ``64 // G`` by ``64`` backward (``G = N // K``); sizes are clamped to the next power
         of two of the lengths, and the compiled (GPU) kernels need ``block_q * G`` and
         ``block_kv`` to be powers of two.
-      impl: ``"auto"`` (Pallas on GPU, the XLA path on CPU and TPU), ``"xla"`` or
+      impl: ``"auto"`` (the XLA path for now, on every backend: the compiled Pallas kernels
+        have not run on a GPU yet), ``"xla"`` or
         ``"pallas"`` (Pallas kernels: Triton on GPU, interpret mode on CPU). Pallas does
         not take a :class:`ringattn.DenseMask`.
 

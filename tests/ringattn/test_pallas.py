@@ -148,7 +148,7 @@ def test_impl_switch_validation_and_auto_on_cpu_is_the_xla_path():
 
 def test_resolve_impl_per_backend():
     assert resolve_impl("f", "auto", "cpu") == "xla"
-    assert resolve_impl("f", "auto", "gpu") == "pallas"
+    assert resolve_impl("f", "auto", "gpu") == "xla"  # until the kernels have run on a GPU
     assert resolve_impl("f", "auto", "tpu") == "xla"
     assert resolve_impl("f", "pallas", "cpu") == "pallas"
     assert resolve_impl("f", "pallas", "gpu") == "pallas"
