@@ -1,7 +1,8 @@
-"""Shared test helpers: one tolerance table, a max-error comparison, a mesh factory and a
-counter of the primitives a program runs."""
+"""Shared test helpers: one tolerance table, a max-error comparison, a mesh factory, random
+attention inputs and packed segment ids, and a counter of the primitives a program runs."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
@@ -68,3 +69,20 @@ def count_executed(jaxpr, primitive: str) -> int:
         else:
             total += sum(counts)
     return total
+
+
+def attention_inputs(B, T, S, N, K, H, dtype, seed=0):
+    """Standard-normal ``q [B, T, N, H]``, ``k, v [B, S, K, H]`` drawn in float32, cast."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, S, K, H), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def segments_from_cuts(B, L, cuts):
+    """``[B, L]`` int32 segment ids of packed documents starting at each of ``cuts``."""
+    ids = np.zeros((B, L), np.int32)
+    for c in cuts:
+        ids[:, c:] += 1
+    return jnp.asarray(ids)

@@ -17,24 +17,9 @@ from ringattn import (
     attention_reference,
     blockwise_attention,
 )
-from tests._util import assert_close
+from tests._util import assert_close, attention_inputs, segments_from_cuts
 
 SMALL_BLOCKS = BlockSizes(block_q=8, block_kv=16, block_q_bwd=16, block_kv_bwd=8)
-
-
-def _inputs(B, T, S, N, K, H, dtype, seed=0):
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (B, S, K, H), jnp.float32).astype(dtype)
-    return q, k, v
-
-
-def _segments(B, L, cuts):
-    ids = np.zeros((B, L), np.int32)
-    for c in cuts:
-        ids[:, c:] += 1
-    return jnp.asarray(ids)
 
 
 # name: (B, T, S, N, K, H, options). Lengths are not multiples of the block sizes on purpose.
@@ -65,7 +50,9 @@ def _options(B, T, S, opts):
         kw["positions"] = Positions(q_pos, None)
     segs = opts.pop("segments", None)
     if segs is not None:
-        kw["segment_ids"] = SegmentIds(_segments(B, T, segs[0]), _segments(B, S, segs[1]))
+        kw["segment_ids"] = SegmentIds(
+            segments_from_cuts(B, T, segs[0]), segments_from_cuts(B, S, segs[1])
+        )
     kw.update(opts)
     return kw
 
@@ -96,7 +83,7 @@ PARAMS = [
 @pytest.mark.parametrize(("case", "dtype", "use_jit"), PARAMS)
 def test_forward_and_gradients_match_reference(case, dtype, use_jit):
     B, T, S, N, K, H, opts = CASES[case]
-    q, k, v = _inputs(B, T, S, N, K, H, dtype)
+    q, k, v = attention_inputs(B, T, S, N, K, H, dtype)
     kw = _options(B, T, S, opts)
     fast = functools.partial(blockwise_attention, block_sizes=SMALL_BLOCKS)
 
@@ -128,13 +115,13 @@ def test_forward_and_gradients_match_reference(case, dtype, use_jit):
 
 
 def test_default_block_sizes_and_no_lse():
-    q, k, v = _inputs(1, 600, 1100, 4, 2, 8, jnp.float32)
+    q, k, v = attention_inputs(1, 600, 1100, 4, 2, 8, jnp.float32)
     out = blockwise_attention(q, k, v, causal=True).out
     assert_close(out, attention_reference(q, k, v, causal=True).out, dtype=jnp.float32)
 
 
 def test_fully_masked_rows_give_zeros_and_finite_gradients():
-    q, k, v = _inputs(1, 12, 12, 4, 2, 8, jnp.float32)
+    q, k, v = attention_inputs(1, 12, 12, 4, 2, 8, jnp.float32)
     # Queries of segment 2 have no key of their segment.
     q_seg = jnp.asarray([[0] * 4 + [1] * 4 + [2] * 4], jnp.int32)
     kv_seg = jnp.asarray([[0] * 6 + [1] * 6], jnp.int32)
@@ -154,7 +141,7 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients():
 
 def test_masked_blocks_are_skipped_not_computed():
     """NaN in keys/values no query can see must not reach the output: those blocks never run."""
-    q, k, v = _inputs(1, 16, 64, 4, 2, 8, jnp.float32)
+    q, k, v = attention_inputs(1, 16, 64, 4, 2, 8, jnp.float32)
     q_pos = jnp.arange(16, 32, dtype=jnp.int32)[None]  # keys 32.. are in every query's future
     k = k.at[:, 32:].set(jnp.nan)
     v = v.at[:, 32:].set(jnp.nan)
@@ -165,7 +152,7 @@ def test_masked_blocks_are_skipped_not_computed():
     ).out
     assert_close(out, want, dtype=jnp.float32)
     # Same with a sliding window: keys before position 8 are outside every window.
-    k2, v2 = _inputs(1, 16, 64, 4, 2, 8, jnp.float32, seed=1)[1:]
+    k2, v2 = attention_inputs(1, 16, 64, 4, 2, 8, jnp.float32, seed=1)[1:]
     k2 = k2.at[:, :16].set(jnp.nan)
     v2 = v2.at[:, :16].set(jnp.nan)
     out = fast(q, k2, v2, causal=True, window=8, positions=Positions(q_pos + 16, None)).out
@@ -205,7 +192,7 @@ def test_memory_is_linear_not_quadratic():
 )
 def test_random_shapes_and_masks(B, T, S, K, G, causal, window, n_segments, bq, bk, seed):
     rng = np.random.default_rng(seed)
-    q, k, v = _inputs(B, T, S, K * G, K, 8, jnp.float32, seed=seed)
+    q, k, v = attention_inputs(B, T, S, K * G, K, 8, jnp.float32, seed=seed)
     kw = dict(causal=causal, window=window)
     kw["positions"] = Positions(
         jnp.asarray(np.sort(rng.integers(0, 30, (B, T)), axis=1), jnp.int32),
@@ -313,7 +300,7 @@ def test_explicit_scales_of_either_sign(scale, softcap):
     # Unmasked blocks take their row max from the raw products (the min for a negative
     # scale), masked ones from the masked logits. Every other key gets a logit near -100 and
     # the rest near 0, so a stabiliser taken from the wrong end of a row overflows exp.
-    q, k, v = _inputs(1, 24, 32, 4, 2, 8, jnp.float32, seed=3)
+    q, k, v = attention_inputs(1, 24, 32, 4, 2, 8, jnp.float32, seed=3)
     far = -100.0 / (8 * scale) if scale else 0.0
     offsets = jnp.where(jnp.arange(32) % 2 == 1, far, 0.0)[None, :, None, None]
     q = 1.0 + 0.05 * q

@@ -23,24 +23,9 @@ from ringattn import (
 )
 from ringattn._blockwise import resolve_impl
 from ringattn._pallas import next_pow2, pallas_blocks
-from tests._util import assert_close
+from tests._util import assert_close, attention_inputs, segments_from_cuts
 
 BLOCKS = BlockSizes(block_q=4, block_kv=8, block_q_bwd=8, block_kv_bwd=4)
-
-
-def _inputs(B, T, S, N, K, H, dtype, seed=0):
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (B, S, K, H), jnp.float32).astype(dtype)
-    return q, k, v
-
-
-def _segments(B, L, cuts):
-    ids = np.zeros((B, L), np.int32)
-    for c in cuts:
-        ids[:, c:] += 1
-    return jnp.asarray(ids)
 
 
 def _gapped_positions(B, L, seed):
@@ -63,7 +48,9 @@ def _options(B, T, S, opts):
         kw["positions"] = Positions(q_pos, kv_pos)
     segs = opts.pop("segments", None)
     if segs is not None:
-        kw["segment_ids"] = SegmentIds(_segments(B, T, segs[0]), _segments(B, S, segs[1]))
+        kw["segment_ids"] = SegmentIds(
+            segments_from_cuts(B, T, segs[0]), segments_from_cuts(B, S, segs[1])
+        )
     kw.update(opts)
     return kw
 
@@ -77,7 +64,7 @@ def _loss(fn, q, k, v, kw):
 
 def _check(case, dtype, *, use_jit=True, blocks=BLOCKS, grads=True):
     B, T, S, N, K, H, opts = case
-    q, k, v = _inputs(B, T, S, N, K, H, dtype)
+    q, k, v = attention_inputs(B, T, S, N, K, H, dtype)
     kw = _options(B, T, S, opts)
     fast = functools.partial(blockwise_attention, block_sizes=blocks, impl="pallas", **kw)
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
@@ -133,7 +120,7 @@ def test_combined_masks_gqa_forward_and_gradients():
 
 @pytest.mark.no_typecheck
 def test_impl_switch_validation_and_auto_on_cpu_is_the_xla_path():
-    q, k, v = _inputs(1, 9, 9, 2, 1, 4, jnp.float32)
+    q, k, v = attention_inputs(1, 9, 9, 2, 1, 4, jnp.float32)
     auto = blockwise_attention(q, k, v, causal=True)
     xla = blockwise_attention(q, k, v, causal=True, impl="xla")
     np.testing.assert_array_equal(np.asarray(auto.out), np.asarray(xla.out))
@@ -242,7 +229,7 @@ def test_eager_and_default_block_sizes():
 @pytest.mark.slow
 def test_nan_in_unreachable_keys_reaches_nothing():
     B, T, S, N, K, H = 1, 8, 24, 4, 2, 8
-    q, k, v = _inputs(B, T, S, N, K, H, jnp.float32)
+    q, k, v = attention_inputs(B, T, S, N, K, H, jnp.float32)
     # Queries at positions 8..15 with a window of 4 (causal): keys 0..4 and 16.. are hidden.
     kw = dict(
         causal=True,
@@ -271,7 +258,7 @@ def test_nan_in_unreachable_keys_reaches_nothing():
 
 @pytest.mark.slow
 def test_fully_masked_rows_give_zeros_minus_inf_and_finite_gradients():
-    q, k, v = _inputs(1, 12, 12, 4, 2, 8, jnp.float32)
+    q, k, v = attention_inputs(1, 12, 12, 4, 2, 8, jnp.float32)
     # Queries of segment 2 have no key of their segment.
     q_seg = jnp.asarray([[0] * 4 + [1] * 4 + [2] * 4], jnp.int32)
     kv_seg = jnp.asarray([[0] * 6 + [1] * 6], jnp.int32)
@@ -292,7 +279,7 @@ def test_fully_masked_rows_give_zeros_minus_inf_and_finite_gradients():
 
 @pytest.mark.slow
 def test_vmap_over_a_leading_axis_and_sinks():
-    q, k, v = _inputs(3, 9, 9, 4, 2, 8, jnp.float32)  # the leading axis is vmapped
+    q, k, v = attention_inputs(3, 9, 9, 4, 2, 8, jnp.float32)  # the leading axis is vmapped
     sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
     kw = dict(causal=True, window=4, sinks=sinks)
 
@@ -317,9 +304,9 @@ def test_vmap_over_a_leading_axis_and_sinks():
 
 @pytest.mark.slow
 def test_empty_inputs():
-    q, k, v = _inputs(1, 0, 5, 2, 1, 8, jnp.float32)
+    q, k, v = attention_inputs(1, 0, 5, 2, 1, 8, jnp.float32)
     out, lse = blockwise_attention(q, k, v, impl="pallas")
     assert out.shape == (1, 0, 2, 8) and lse.shape == (1, 0, 2)
-    q, k, v = _inputs(1, 4, 0, 2, 1, 8, jnp.float32)
+    q, k, v = attention_inputs(1, 4, 0, 2, 1, 8, jnp.float32)
     out, lse = blockwise_attention(q, k, v, impl="pallas")
     assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
