@@ -11,8 +11,9 @@ read; in partial blocks they are selected away (``where``), so NaN or inf stored
 key or value reaches neither the output nor any gradient.
 
 ``impl="pallas"`` runs the same computation as Pallas kernels (:mod:`ringattn._pallas`:
-Triton on GPU, interpret mode on CPU); ``impl="auto"`` still picks the XLA path everywhere:
-the compiled kernels have not yet run on a GPU (see ``AUTO_PALLAS_BACKENDS``).
+Triton on GPU, interpret mode on CPU; :mod:`ringattn._pallas_tpu`: Mosaic on TPU);
+``impl="auto"`` still picks the XLA path everywhere: the compiled kernels have not yet run
+on a GPU or a TPU (see ``AUTO_PALLAS_BACKENDS``).
 """
 
 import dataclasses
@@ -29,6 +30,7 @@ from ringattn._heads_major import attention_backward, attention_delta, attention
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
 from ringattn._pallas import PallasConfig, pallas_attention, pallas_blocks
+from ringattn._pallas_tpu import mosaic_blocks
 from ringattn._varying import cast_varying, varying_axes
 
 __all__ = ["BlockSizes", "blockwise_attention"]
@@ -154,10 +156,11 @@ def _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, mask, block_sizes):
 
 
 IMPLS = ("auto", "xla", "pallas")
-# Backends on which impl="auto" picks the Pallas kernels. Empty until the compiled (Triton)
-# kernels have run and been checked on a GPU (benchmarks/bench_accel.py); only interpret mode
-# and the lowering to Triton IR are tested so far, so "auto" must not hand an unrun kernel to
-# every GPU user. Add "gpu" here once they have.
+# Backends on which impl="auto" picks the Pallas kernels. Empty until the compiled kernels
+# have run and been checked on the hardware (benchmarks/bench_accel.py): only interpret mode
+# (Triton's and the TPU interpret mode of the Mosaic kernels) and the lowerings (to Triton IR
+# for CUDA, to Mosaic for TPU) are tested so far, so "auto" must not hand an unrun kernel to
+# every GPU or TPU user. Add "gpu" / "tpu" here once they have.
 AUTO_PALLAS_BACKENDS: frozenset[str] = frozenset()
 
 
@@ -165,19 +168,41 @@ def resolve_impl(fn: str, impl, backend: str) -> str:
     """``"xla"`` or ``"pallas"`` for ``impl`` on ``backend`` (``jax.default_backend()``).
 
     ``"auto"`` is Pallas on :data:`AUTO_PALLAS_BACKENDS` (none yet) and XLA elsewhere.
-    ``"pallas"`` on CPU runs the kernels in interpret mode; on TPU it raises
-    NotImplementedError (the kernels target Triton).
+    ``"pallas"`` runs the Triton kernels on GPU, the Mosaic kernels on TPU and the Triton
+    kernels in interpret mode on CPU; on any other backend it raises NotImplementedError.
     """
     if not isinstance(impl, str) or impl not in IMPLS:
         raise fail(fn, "impl", "one of 'auto', 'xla', 'pallas'", describe(impl))
     if impl == "auto":
         return "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
-    if impl == "pallas" and backend not in ("gpu", "cpu"):
+    if impl == "pallas" and backend not in ("gpu", "tpu", "cpu"):
         raise NotImplementedError(
-            f"{fn}: impl='pallas' is implemented for GPU (Triton) and CPU (interpret mode), "
-            f"not for the {backend!r} backend; use impl='xla'"
+            f"{fn}: impl='pallas' is implemented for GPU (Triton), TPU (Mosaic) and CPU "
+            f"(interpret mode), not for the {backend!r} backend; use impl='xla'"
         )
     return impl
+
+
+def pallas_target(backend: str) -> str:
+    """The Pallas kernels run on ``backend``: ``"mosaic"`` on TPU, ``"triton"`` elsewhere.
+
+    On CPU the Triton kernels run in interpret mode; tests that check the Mosaic kernels on
+    CPU (TPU interpret mode) replace this function (``monkeypatch``).
+    """
+    return "mosaic" if backend == "tpu" else "triton"
+
+
+def make_pallas_config(spec: MaskSpec, block_sizes, G: int, T: int, S: int, H: int, backend):
+    """The :class:`PallasConfig` of one call on ``backend`` (interpret mode on CPU).
+
+    ``block_sizes``: the caller's :class:`BlockSizes` or None (the target's defaults).
+    Raises NotImplementedError for block sizes the compiled kernels cannot take.
+    """
+    target = pallas_target(backend)
+    interpret = backend == "cpu"
+    blocks = mosaic_blocks if target == "mosaic" else pallas_blocks
+    fwd, bwd = blocks(block_sizes, G, T, S, interpret)
+    return PallasConfig(spec, spec.scale_for(H), *fwd, *bwd, interpret=interpret, target=target)
 
 
 @functools.partial(jax.jit, static_argnums=(8, 9))
@@ -230,15 +255,18 @@ def blockwise_attention(
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` of packed documents.
       positions: :class:`ringattn.Positions` ``(q [B, T], kv [B, S])``, default ``arange``.
       sinks: ``[N]`` per-head sink logit (joins the softmax denominator once), or None.
-      block_sizes: :class:`ringattn.BlockSizes`; default ``BlockSizes()`` for the XLA path,
-        and for Pallas ``128 // G`` query positions (``128`` rows) by ``64`` keys forward,
-        ``64 // G`` by ``64`` backward (``G = N // K``); sizes are clamped to the next power
+      block_sizes: :class:`ringattn.BlockSizes`; default ``BlockSizes()`` for the XLA path;
+        for Pallas on GPU and CPU ``128 // G`` query positions (``128`` rows) by ``64`` keys
+        forward, ``64 // G`` by ``64`` backward (``G = N // K``), clamped to the next power
         of two of the lengths, and the compiled (GPU) kernels need ``block_q * G`` and
-        ``block_kv`` to be powers of two.
+        ``block_kv`` to be powers of two; for Pallas on TPU ``128`` positions by ``512``
+        keys forward, ``64`` by ``256`` backward, clamped to the lengths, and the compiled
+        kernels need ``block_q * G`` to be a multiple of 8 and ``block_kv`` of 128 unless
+        the block spans the whole length.
       impl: ``"auto"`` (the XLA path for now, on every backend: the compiled Pallas kernels
-        have not run on a GPU yet), ``"xla"`` or
-        ``"pallas"`` (Pallas kernels: Triton on GPU, interpret mode on CPU). Pallas does
-        not take a :class:`ringattn.DenseMask`.
+        have not run on a GPU or TPU yet), ``"xla"`` or ``"pallas"`` (Pallas kernels:
+        Triton on GPU, Mosaic on TPU, Triton's interpret mode on CPU). Pallas does not take
+        a :class:`ringattn.DenseMask`.
 
     Returns:
       :class:`ringattn.AttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N]
@@ -250,8 +278,8 @@ def blockwise_attention(
         count, segment ids or positions of the wrong type, shape or dtype, a bad window,
         softcap, scale, sinks or block size, an unknown ``impl``, or both ``mask`` and a
         keyword.
-      NotImplementedError: ``impl="pallas"`` with a DenseMask, on a TPU, or with block
-        sizes the compiled kernel cannot take.
+      NotImplementedError: ``impl="pallas"`` with a DenseMask, on a backend other than
+        CPU, GPU and TPU, or with block sizes the compiled kernel cannot take.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -290,8 +318,6 @@ def blockwise_attention(
     kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv
     q_seg, kv_seg = (None, None) if seg is None else seg
     if impl == "pallas":
-        interpret = jax.default_backend() == "cpu"
-        fwd, bwd = pallas_blocks(given_blocks, N // K, T, S, interpret)
-        cfg = PallasConfig(spec, spec.scale_for(H), *fwd, *bwd, interpret=interpret)
+        cfg = make_pallas_config(spec, given_blocks, N // K, T, S, H, jax.default_backend())
         return _blockwise_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec, cfg)
     return _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec, block_sizes)

@@ -58,6 +58,9 @@ class PallasConfig:
     block_q_bwd: int
     block_kv_bwd: int
     interpret: bool
+    # "triton" (GPU; these kernels) or "mosaic" (TPU; ringattn._pallas_tpu). With
+    # interpret=True each runs on CPU in its interpret mode (Mosaic: TPU interpret mode).
+    target: str = "triton"
 
 
 def next_pow2(n: int) -> int:
@@ -193,15 +196,25 @@ def _block_mask(cfg: PallasConfig, kv_len, qp, kp, qs, ks, w, kv_start):
     """``[R, bk]`` visibility of one block pair from per-row and per-key ids."""
     bk = kp.shape[0]
     col = kv_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    qp, kp = qp[:, None], kp[None, :]
-    mask = jnp.broadcast_to(col < kv_len, (qp.shape[0], bk))
+    column = lambda x: None if x is None else x[:, None]
+    row = lambda x: None if x is None else x[None, :]
+    return visibility(cfg, kv_len, column(qp), row(kp), column(qs), row(ks), column(w), col)
+
+
+def visibility(cfg: PallasConfig, kv_len, qp, kp, qs, ks, w, col):
+    """``[R, bk]`` visibility from per-row columns ``[R, 1]`` and per-key rows ``[1, bk]``.
+
+    ``qp``, ``qs``, ``w``: row positions, segments, windows (``0``: none; or None);
+    ``kp``, ``ks``: key positions, segments; ``col``: the keys' indices (``>= kv_len``:
+    padding). Shared by the Triton and the Mosaic kernels.
+    """
+    mask = jnp.broadcast_to(col < kv_len, (qp.shape[0], col.shape[1]))
     spec = cfg.mask
     if spec.causal:
         mask = mask & (kp <= qp)
     if qs is not None:
-        mask = mask & (qs[:, None] == ks[None, :])
+        mask = mask & (qs == ks)
     if w is not None:
-        w = w[:, None]
         mask = mask & ((w == 0) | (kp > qp - w))
     elif spec.window is not None:
         mask = mask & (kp > qp - spec.uniform_window)
@@ -215,6 +228,15 @@ def _logits(cfg: PallasConfig, q, k):
         return s, None
     t = jnp.tanh(s / cfg.mask.softcap)
     return cfg.mask.softcap * t, t
+
+
+def score_grads(cfg: PallasConfig, p, dp, delta, t):
+    """Gradient of the logits' inputs ``[R, bk]`` from ``p``, ``dp = dout @ v.T``, ``delta``
+    (broadcastable ``[R, 1]``) and the softcap's ``tanh`` (None without softcap)."""
+    ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    return ds * cfg.scale
 
 
 def _zero_unseen(mask, *blocks):
@@ -319,10 +341,7 @@ def _dq_kernel(*refs, cfg, flags, kv_len, bk):
             s = jnp.where(mask, s, -jnp.inf)
         p = jnp.exp(s - lse[:, None])
         dp = _dot(do, v)  # [R, bk]
-        ds = p * (dp - delta[:, None])
-        if t is not None:
-            ds = ds * (1.0 - t * t)
-        ds = ds * cfg.scale
+        ds = score_grads(cfg, p, dp, delta[:, None], t)
         return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
     def body(j, dq):
@@ -376,10 +395,7 @@ def _dkv_kernel(*refs, cfg, flags, kv_len, R):
         p = jnp.exp(s - lse[:, None])
         dv = dv + _dot(p.astype(do.dtype), do, (0, 0))  # [bk, Hp]
         dp = _dot(do, v)
-        ds = p * (dp - delta[:, None])
-        if t is not None:
-            ds = ds * (1.0 - t * t)
-        ds = ds * cfg.scale
+        ds = score_grads(cfg, p, dp, delta[:, None], t)
         dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))
         return dk, dv
 
@@ -539,6 +555,15 @@ def _backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delt
 # ----------------------------------------------------------------------------- custom VJP
 
 
+def _calls(cfg: PallasConfig):
+    """The ``(forward, backward)`` calls of ``cfg.target``."""
+    if cfg.target == "mosaic":
+        from ringattn import _pallas_tpu  # imports this module: resolved at call time
+
+        return _pallas_tpu.forward_call, _pallas_tpu.backward_call
+    return _forward_call, _backward_call
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def pallas_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig):
     """Blockwise ``(out [B, T, N, H] in q.dtype, lse [B, T, N] float32)`` by Pallas kernels.
@@ -546,12 +571,13 @@ def pallas_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasCo
     ``q_pos [B, T]``, ``kv_pos [B, S]`` int32 positions; ``q_seg``, ``kv_seg`` segment ids
     or None; ``table``: the ``[B, K, G]`` per-head window table (``0``: none) or None.
     Differentiable in ``q``, ``k``, ``v`` and through ``lse`` (``delta - dlse``).
+    ``cfg.target`` picks the Triton kernels (here) or the Mosaic ones (TPU).
     """
-    return _forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+    return _calls(cfg)[0](q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
 
 
 def _fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg):
-    out, lse = _forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+    out, lse = _calls(cfg)[0](q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
     return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, out, lse)
 
 
@@ -559,7 +585,8 @@ def _bwd(cfg, residuals, cotangents):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, out, lse = residuals
     dout, dlse = cotangents
     delta = attention_delta(out, dout, dlse)
-    dq, dk, dv = _backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta, cfg)
+    backward = _calls(cfg)[1]
+    dq, dk, dv = backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta, cfg)
     ints = (None,) * 5
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
 
