@@ -259,8 +259,9 @@ def blockwise_attention(
         for Pallas on GPU and CPU ``128 // G`` query positions (``128`` rows) by ``64`` keys
         forward, ``64 // G`` by ``64`` backward (``G = N // K``), clamped to the next power
         of two of the lengths, and the compiled (GPU) kernels need ``block_q * G`` and
-        ``block_kv`` to be powers of two; for Pallas on TPU ``128`` positions by ``512``
-        keys forward, ``64`` by ``256`` backward, clamped to the lengths, and the compiled
+        ``block_kv`` to be powers of two; for Pallas on TPU ``8 * max(1, 64 // G)`` positions
+        (about 512 rows) by ``512`` keys forward, ``8 * max(1, 32 // G)`` by ``256``
+        backward, clamped to the lengths, and the compiled
         kernels need ``block_q * G`` to be a multiple of 8 and ``block_kv`` of 128 unless
         the block spans the whole length.
       impl: ``"auto"`` (the XLA path for now, on every backend: the compiled Pallas kernels

@@ -60,14 +60,17 @@ LANES, SUBLANES = 128, 8
 def mosaic_blocks(block_sizes, G: int, T: int, S: int, interpret: bool):
     """``((bq, bk), (bq_bwd, bk_bwd))`` of the Mosaic kernels, clamped to the lengths.
 
-    Default (``block_sizes`` None): ``128`` query positions (``128 * G`` rows) by ``512`` keys
-    forward, ``64`` positions by ``256`` keys backward. A size at least the length becomes the
+    Default (``block_sizes`` None): about 512 rows (``8 * max(1, 64 // G)`` query positions,
+    ``G`` rows each) by ``512`` keys forward, about 256 rows (``8 * max(1, 32 // G)``
+    positions) by ``256`` keys backward: rows stay a multiple of 8 for every ``G``, and the
+    float32 logits of one step (1 MiB forward) fit the default scoped VMEM of every TPU
+    generation with room for their temporaries. A size at least the length becomes the
     length (one block spans the axis). Compiled (not interpreted) kernels need rows
     (``block_q * G``) that are a multiple of 8 and ``block_kv`` a multiple of 128, unless the
     block spans its axis, else NotImplementedError.
     """
     if block_sizes is None:
-        fwd, bwd = (128, 512), (64, 256)
+        fwd, bwd = (8 * max(1, 64 // G), 512), (8 * max(1, 32 // G), 256)
     else:
         fwd, bwd = block_sizes.forward, block_sizes.backward
     fwd = (min(fwd[0], T), min(fwd[1], S))
@@ -139,7 +142,12 @@ class _Operands:
         return specs
 
 
-def _compiler_params():
+def _compiler_params(cfg: PallasConfig):
+    # TPU interpret mode (JAX 0.10.2) does not extend dimension_semantics over the grid axes
+    # that vmap adds (the Mosaic lowering does), so it gets none: every axis is then
+    # sequential there, which these kernels allow.
+    if cfg.interpret:
+        return pltpu.CompilerParams()
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
 
 
@@ -354,7 +362,7 @@ def forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig
             jax.ShapeDtypeStruct((B * K, TG, LANES), jnp.float32),
         ],
         interpret=_interpret(cfg),
-        compiler_params=_compiler_params(),
+        compiler_params=_compiler_params(cfg),
         name="ringattn_mosaic_forward",
     )(lo, hi, prep.kinds.reshape(-1), ops.q, ops.k, ops.v, *[x for x, _ in ops.ids])
     return _from_rows(out, B, T, N, H), _stat_from_rows(lse[..., 0], B, T, N)
@@ -404,7 +412,7 @@ def backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta
         ),
         out_shape=jax.ShapeDtypeStruct(ops.q.shape, jnp.float32),
         interpret=_interpret(cfg),
-        compiler_params=_compiler_params(),
+        compiler_params=_compiler_params(cfg),
         name="ringattn_mosaic_dq",
     )(lo, hi, prep.kinds.reshape(-1), *operands)
 
@@ -436,7 +444,7 @@ def backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta
         ),
         out_shape=[jax.ShapeDtypeStruct(ops.k.shape, jnp.float32)] * 2,
         interpret=_interpret(cfg),
-        compiler_params=_compiler_params(),
+        compiler_params=_compiler_params(cfg),
         name="ringattn_mosaic_dkv",
     )(lo_t, hi_t, kinds_t.reshape(-1), *operands)
     return _from_rows(dq, B, T, N, H), _from_keys(dk, B, S, H), _from_keys(dv, B, S, H)

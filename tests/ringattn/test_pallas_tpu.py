@@ -95,7 +95,11 @@ def test_resolve_impl_and_config_on_tpu():
 
 
 def test_block_sizes_defaults_clamping_and_tiling_rule():
+    # Defaults: about 512 rows by 512 keys forward, 256 by 256 backward, rows % 8 == 0.
     assert mosaic_blocks(None, 4, 4096, 4096, False) == ((128, 512), (64, 256))
+    assert mosaic_blocks(None, 1, 4096, 4096, False) == ((512, 512), (256, 256))
+    assert mosaic_blocks(None, 3, 4096, 4096, False) == ((168, 512), (80, 256))
+    assert mosaic_blocks(None, 128, 4096, 4096, False) == ((8, 512), (8, 256))
     # Clamped to the lengths: one block spanning an axis needs no tiling.
     assert mosaic_blocks(None, 3, 37, 5, False) == ((37, 5), (37, 5))
     assert mosaic_blocks(BlockSizes(3, 5), 2, 100, 100, True) == ((3, 5), (3, 5))
@@ -140,6 +144,30 @@ def test_kernels_lower_to_mosaic_for_tpu_without_a_tpu():
     # The lowering enforces the tiling that mosaic_blocks checks up front.
     with pytest.raises(ValueError, match="divisible by 8 and 128"):
         _tpu_export(dataclasses.replace(cfg, block_kv=8), table, B, T, S, N, K, H)
+
+
+def test_vmapped_kernels_lower_to_mosaic_for_tpu():
+    # vmap adds a grid axis in front of the kernels' (parallel, parallel, arbitrary) ones.
+    from jax import export
+
+    T, S, N, K, H = 64, 256, 4, 2, 128
+    cfg = make_pallas_config(MaskSpec(causal=True), None, N // K, T, S, H, "tpu")
+
+    def loss(q, k, v, q_pos, kv_pos):
+        one = lambda x: x[None]
+        out, lse = pallas_attention(*map(one, (q, k, v, q_pos, kv_pos)), None, None, None, cfg)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+    shapes = [
+        jax.ShapeDtypeStruct((3, T, N, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((3, S, K, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((3, S, K, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((3, T), jnp.int32),
+        jax.ShapeDtypeStruct((3, S), jnp.int32),
+    ]
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))
+    exported = export.export(grads, platforms=("tpu",))(*shapes)
+    assert exported.mlir_module().count("@tpu_custom_call(") == 3
 
 
 # ---------------------------------------------------------------- the full matrix (slow)
@@ -211,6 +239,30 @@ def test_fully_masked_rows_give_zeros_minus_inf_and_finite_gradients():
     grads = jax.grad(functools.partial(_loss, fast, kw=kw), argnums=(0, 1, 2))(q, k, v)
     ref = functools.partial(_loss, attention_reference, kw=kw)
     want_grads = jax.grad(ref, argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert_close(g, w, dtype=jnp.float32, grad=True)
+
+
+@pytest.mark.slow
+def test_vmap_over_a_leading_axis():
+    q, k, v = attention_inputs(3, 9, 9, 4, 2, 8, jnp.float32)  # the leading axis is vmapped
+    kw = dict(causal=True, window=4)
+
+    def one(q, k, v, fn, **extra):
+        return fn(q[None], k[None], v[None], **kw, **extra)
+
+    fast = functools.partial(one, fn=blockwise_attention, block_sizes=BLOCKS, impl="pallas")
+    ref = functools.partial(one, fn=attention_reference)
+    out, lse = jax.jit(jax.vmap(fast))(q, k, v)
+    want, want_lse = jax.vmap(ref)(q, k, v)
+    assert_close(out, want, dtype=jnp.float32)
+    assert_close(lse, want_lse, dtype=jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jax.vmap(fn)(q, k, v).out * jnp.cos(jnp.arange(8)))
+
+    grads = jax.grad(loss(fast), argnums=(0, 1, 2))(q, k, v)
+    want_grads = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(grads, want_grads, strict=True):
         assert_close(g, w, dtype=jnp.float32, grad=True)
 
