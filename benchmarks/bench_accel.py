@@ -1,4 +1,4 @@
-"""Attention kernels on one GPU: ringattn's Pallas kernels against cuDNN, XLA and JAX's mha.
+"""Attention kernels on one GPU or TPU: ringattn's Pallas kernels against the vendor's best.
 
 Times, in bfloat16 with ``B = 1``, at ``T = S`` in 4K..128K (``--lengths``), forward and
 forward+backward, interleaved per length:
@@ -7,16 +7,21 @@ forward+backward, interleaved per length:
   * ``xla``: ``ringattn.blockwise_attention(impl="xla")`` (up to ``--max-xla-length``);
   * ``jax_mha``: ``jax.experimental.pallas.ops.gpu.attention.mha`` (JAX's Triton kernel;
     MHA only, so it runs when ``--kv-heads`` equals ``--heads``).
+On a TPU (``JAX_PLATFORMS=tpu``) the Pallas kernels are the Mosaic variant, and the
+baseline is ``jax_flash``: ``jax.experimental.pallas.ops.tpu.flash_attention`` (JAX's TPU
+kernel, ``[B, N, T, H]``; MHA only) instead of cuDNN, and there is no ``jax_mha``.
 Each result is also achieved TFLOP/s (``4 B N H T S`` matmul FLOPs forward, halved when
 causal; 3.5 times that for forward+backward) and its fraction of ``--peak-tflops`` (default:
-H200 dense bfloat16, 989).
+H200 dense bfloat16, 989, on GPU; on TPU the dense bfloat16 peak of the chip, from
+``TPU_PEAK_TFLOPS`` by device kind).
 
 Usage (from the repository root):
   JAX_PLATFORMS=cuda python -m benchmarks.bench_accel            # 4K..128K, both masks
   JAX_PLATFORMS=cuda python -m benchmarks.bench_accel --quick    # 4K and 16K, non-causal
+  JAX_PLATFORMS=tpu python -m benchmarks.bench_accel --quick     # the same on one TPU
   python -m benchmarks.bench_accel --interpret-smoke             # CPU: each path once, tiny
 
-Without a GPU it prints that it needs one and exits 0, except with ``--interpret-smoke``,
+Without a GPU or TPU it prints that it needs one and exits 0, except with ``--interpret-smoke``,
 which runs every implementation that exists on CPU once at a tiny size (the Pallas kernels
 in interpret mode), checks each against ``ringattn.attention_reference`` and writes nothing.
 """
@@ -30,6 +35,15 @@ from benchmarks import _common
 
 PEAK_TFLOPS_H200_BF16 = 989.0
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+# Dense bfloat16 peak TFLOP/s per chip, by the start of ``device_kind`` (public specs).
+TPU_PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5": 459.0, "TPU v6": 918.0}
+BASELINES = {"gpu": "cudnn", "tpu": "jax_flash"}
+
+
+def tpu_peak_tflops(device_kind: str) -> float | None:
+    """The dense bfloat16 peak of a TPU chip from its ``device_kind``, or None if unknown."""
+    matches = [k for k in TPU_PEAK_TFLOPS if device_kind.startswith(k)]
+    return TPU_PEAK_TFLOPS[max(matches, key=len)] if matches else None
 
 
 def attention_flops(B, T, S, N, H, causal: bool, backward: bool) -> float:
@@ -38,7 +52,7 @@ def attention_flops(B, T, S, N, H, causal: bool, backward: bool) -> float:
     return fwd * (3.5 if backward else 1.0)
 
 
-def make_impls(causal: bool, *, interpret: bool, mha_ok: bool):
+def make_impls(causal: bool, *, interpret: bool, mha_ok: bool, backend: str = "gpu"):
     """name -> ``attend(q, k, v) -> out`` for every implementation available here."""
     import jax
 
@@ -48,6 +62,21 @@ def make_impls(causal: bool, *, interpret: bool, mha_ok: bool):
         "pallas": lambda q, k, v: blockwise_attention(q, k, v, causal=causal, impl="pallas").out,
         "xla": lambda q, k, v: blockwise_attention(q, k, v, causal=causal, impl="xla").out,
     }
+    if backend == "tpu":
+        if mha_ok:
+            from jax.experimental.pallas.ops.tpu import flash_attention as tpu_attention
+
+            def jax_flash(q, k, v):
+                heads_major = lambda x: x.transpose(0, 2, 1, 3)  # [B, T, N, H] -> [B, N, T, H]
+                out = tpu_attention.flash_attention(
+                    *map(heads_major, (q, k, v)),
+                    causal=causal,
+                    sm_scale=1.0 / math.sqrt(q.shape[-1]),
+                )
+                return heads_major(out)
+
+            impls["jax_flash"] = jax_flash
+        return impls
     if not interpret:
         impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"
@@ -153,7 +182,7 @@ def interpret_smoke() -> dict[str, float]:
 
 def main(argv=None):
     parser = _common.make_parser(__doc__)
-    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS_H200_BF16)
+    parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=16)
@@ -178,12 +207,21 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    if jax.default_backend() != "gpu":
+    backend = jax.default_backend()
+    if backend not in BASELINES:
         print(
-            "bench_accel needs a GPU (JAX_PLATFORMS=cuda); this machine's backend is "
-            f"{jax.default_backend()!r}. Use --interpret-smoke for a CPU check."
+            "bench_accel needs a GPU (JAX_PLATFORMS=cuda) or a TPU (JAX_PLATFORMS=tpu); this "
+            f"machine's backend is {backend!r}. Use --interpret-smoke for a CPU check."
         )
         return 0
+    device = jax.devices()[0]
+    baseline = BASELINES[backend]
+    if args.peak_tflops is None:
+        peak = PEAK_TFLOPS_H200_BF16 if backend == "gpu" else tpu_peak_tflops(device.device_kind)
+        if peak is None:
+            print(f"unknown peak for {device.device_kind!r}: pass --peak-tflops")
+            return 1
+        args.peak_tflops = peak
 
     run = _common.start_run("bench_accel", args, cpu_devices=None)
     lengths = args.lengths or ((4096, 16384) if args.quick else DEFAULT_LENGTHS)
@@ -191,20 +229,19 @@ def main(argv=None):
     if args.quick:
         masks = (False,)
     B, N, K, H = 1, args.heads, args.kv_heads, args.head_dim
-    device = jax.devices()[0]
     lines = [
         f"Device: {device.device_kind}, JAX {jax.__version__}; bfloat16, B = {B}, N = {N}, "
         f"K = {K}, H = {H}; peak {args.peak_tflops:.0f} TFLOP/s; best of {args.repeats} "
         "interleaved runs after a warm-up (compile).",
         "",
         "| mask | T = S | impl | fwd ms | fwd TFLOP/s | % peak | fwd+bwd ms | fwd+bwd TFLOP/s "
-        "| % peak | fwd vs cudnn | fwd+bwd vs cudnn |",
+        f"| % peak | fwd vs {baseline} | fwd+bwd vs {baseline} |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for causal in masks:
         for T in lengths:
             q, k, v, w = _inputs(B, T, N, K, H, jnp.bfloat16)
-            impls = make_impls(causal, interpret=False, mha_ok=N == K)
+            impls = make_impls(causal, interpret=False, mha_ok=N == K, backend=backend)
             if T > args.max_xla_length:
                 impls.pop("xla")
             fns, failed = {}, {}
@@ -229,9 +266,9 @@ def main(argv=None):
                 tf = attention_flops(B, T, T, N, H, causal, False) / f / 1e12
                 tb = attention_flops(B, T, T, N, H, causal, True) / b / 1e12
                 rf = rb = "n/a"
-                if "cudnn/fwd" in best:
-                    rf = f"{best['cudnn/fwd'] / f:.2f}"
-                    rb = f"{best['cudnn/bwd'] / b:.2f}"
+                if f"{baseline}/fwd" in best:
+                    rf = f"{best[f'{baseline}/fwd'] / f:.2f}"
+                    rb = f"{best[f'{baseline}/bwd'] / b:.2f}"
                 lines.append(
                     f"| {tag} | {T} | {name} | {f * 1e3:.2f} | {tf:.0f} | "
                     f"{100 * tf / args.peak_tflops:.0f} | {b * 1e3:.2f} | {tb:.0f} | "
@@ -240,9 +277,10 @@ def main(argv=None):
             print("\n".join(lines[-len(impls) :]), flush=True)
     lines += [
         "",
-        "`vs cudnn` is cuDNN's time over this implementation's (above 1: faster than cuDNN).",
+        f"`vs {baseline}` is {baseline}'s time over this implementation's (above 1: faster "
+        f"than {baseline}).",
     ]
-    run.write("Attention kernels on one GPU", lines)
+    run.write(f"Attention kernels on one {backend.upper()}", lines)
     return 0
 
 

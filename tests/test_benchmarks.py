@@ -386,3 +386,25 @@ def test_bench_accel_interpret_smoke_agrees_and_cpu_run_exits_cleanly(capsys):
     assert bench_accel.attention_flops(1, 8, 8, 2, 4, True, True) == 4 * 2 * 4 * 64 * 0.5 * 3.5
     assert bench_accel.main([]) == 0  # on CPU: says it needs a GPU
     assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_bench_accel_tpu_section_peaks_and_baseline_lowers_for_tpu():
+    # The TPU section cannot run here; check its peak table and that its baseline (JAX's
+    # TPU flash attention, forward and backward) lowers to Mosaic for the tpu platform.
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    from benchmarks import bench_accel
+
+    assert bench_accel.tpu_peak_tflops("TPU v5 lite") == 197.0
+    assert bench_accel.tpu_peak_tflops("TPU v5") == 459.0
+    assert bench_accel.tpu_peak_tflops("TPU v6 lite") == 918.0
+    assert bench_accel.tpu_peak_tflops("cpu") is None
+    impls = bench_accel.make_impls(True, interpret=False, mha_ok=True, backend="tpu")
+    assert sorted(impls) == ["jax_flash", "pallas", "xla"]
+    _, bwd = bench_accel.forward_and_backward(impls["jax_flash"])
+    x = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.float32)
+    exported = export.export(bwd, platforms=("tpu",))(x, x, x, w)
+    assert exported.mlir_module().count("@tpu_custom_call(") >= 2
