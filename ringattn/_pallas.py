@@ -555,12 +555,16 @@ def _backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delt
 # ----------------------------------------------------------------------------- custom VJP
 
 
-def _calls(cfg: PallasConfig):
-    """The ``(forward, backward)`` calls of ``cfg.target``."""
+def kernel_calls(cfg: PallasConfig):
+    """The ``(forward, backward)`` calls of ``cfg.target``, with the signatures of
+    :func:`_forward_call` and :func:`_backward_call` (for callers such as the ring that
+    run the kernels per hop)."""
     if cfg.target == "mosaic":
         from ringattn import _pallas_tpu  # imports this module: resolved at call time
 
         return _pallas_tpu.forward_call, _pallas_tpu.backward_call
+    if cfg.target != "triton":
+        raise ValueError(f"PallasConfig: target: expected 'triton' or 'mosaic', got {cfg.target!r}")
     return _forward_call, _backward_call
 
 
@@ -573,11 +577,11 @@ def pallas_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasCo
     Differentiable in ``q``, ``k``, ``v`` and through ``lse`` (``delta - dlse``).
     ``cfg.target`` picks the Triton kernels (here) or the Mosaic ones (TPU).
     """
-    return _calls(cfg)[0](q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+    return kernel_calls(cfg)[0](q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
 
 
 def _fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg):
-    out, lse = _calls(cfg)[0](q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+    out, lse = kernel_calls(cfg)[0](q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
     return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, out, lse)
 
 
@@ -585,7 +589,7 @@ def _bwd(cfg, residuals, cotangents):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, out, lse = residuals
     dout, dlse = cotangents
     delta = attention_delta(out, dout, dlse)
-    backward = _calls(cfg)[1]
+    backward = kernel_calls(cfg)[1]
     dq, dk, dv = backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta, cfg)
     ints = (None,) * 5
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints

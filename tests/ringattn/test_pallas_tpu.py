@@ -27,8 +27,8 @@ from ringattn import (
 )
 from ringattn._blocks import window_table
 from ringattn._blockwise import make_pallas_config, resolve_impl
-from ringattn._pallas import pallas_attention
-from ringattn._pallas_tpu import mosaic_blocks
+from ringattn._pallas import kernel_calls, pallas_attention
+from ringattn._pallas_tpu import backward_call, forward_call, mosaic_blocks
 from tests._util import assert_close, attention_inputs
 from tests.ringattn.test_pallas import BLOCKS, CASES, _check, _loss
 
@@ -92,6 +92,9 @@ def test_resolve_impl_and_config_on_tpu():
     assert (cfg.block_q, cfg.block_kv, cfg.block_q_bwd, cfg.block_kv_bwd) == (128, 512, 64, 256)
     cfg = make_pallas_config(spec, BLOCKS, 4, 40, 40, 64, "cpu")  # the fixture's route
     assert (cfg.target, cfg.interpret) == ("mosaic", True)
+    assert kernel_calls(cfg) == (forward_call, backward_call)
+    with pytest.raises(ValueError, match="target"):
+        kernel_calls(dataclasses.replace(cfg, target="cuda"))
 
 
 def test_block_sizes_defaults_clamping_and_tiling_rule():
