@@ -11,8 +11,9 @@ and its finish:
 
 * ``"gpu"`` (the Triton lowering; on CPU ``interpret=True``): grid ``(B, K, splits)``; split
   ``s`` owns the pages ``s * pages_per_block ...`` of its sequence and walks them with a
-  ``fori_loop``, reading the page id from the table and loading ``k_ref[page]`` in the
-  kernel (a dynamic load from the head's ``[P, C, H]`` pool). A split with no live page is
+  ``fori_loop``, ``PAGES_PER_LOAD`` pages a step: it reads each page id from the table and
+  loads ``k_ref[page]`` in the kernel (a dynamic load from the head's ``[P, C, H]`` pool),
+  all of the step's loads before its folds. A split with no live page is
   skipped by ``pl.when`` and writes ``(0, -inf)``; the splits' partial ``(out, lse)`` are
   merged in XLA (flash-decoding), so short batches still fill the GPU.
 * ``"tpu"`` (Mosaic; on CPU ``pltpu.InterpretParams()``): ``PrefetchScalarGridSpec`` with
@@ -43,6 +44,8 @@ __all__ = ["DecodeConfig", "decode_config", "pallas_decode"]
 # "No window" for one head in a per-head window operand (as paged._page_walk).
 _NO_WINDOW = 1 << 30
 VARIANTS = ("gpu", "tpu")
+# Pages the GPU kernel loads per loop step before folding them (memory-level parallelism).
+PAGES_PER_LOAD = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,20 +174,29 @@ def _gpu_kernel(lo_ref, hi_ref, len_ref, table_ref, q_ref, pos_ref, *refs, cfg, 
     last = jnp.minimum((s + 1) * ppb, hi_ref[b])
     R, H = q_ref.shape
     C = k_ref.shape[1]
+    M = table_ref.shape[0]
+    loads = min(ppb, PAGES_PER_LOAD)
 
     @pl.when(first < last)
     def _():
         q, q_pos, length = q_ref[...], pos_ref[...], len_ref[b]
         win = None if win_ref is None else win_ref[...]
 
-        def body(j, state):
-            page = table_ref[j]
-            ok = (page > 0) & (page < P)
-            page = jnp.where(ok, page, 0)
-            k, v = k_ref[page], v_ref[page]  # [C, H]
-            return _visit_page(cfg, q, k, v, q_pos, win, ok, j * C, length, state)
+        def body(i, state):
+            # All loads of the step first (independent of the softmax state), then the folds.
+            loaded = []
+            for u in range(loads):
+                j = first + i * loads + u
+                page = table_ref[jnp.minimum(j, M - 1)]
+                ok = (j < last) & (page > 0) & (page < P)
+                page = jnp.where(ok, page, 0)
+                loaded.append((j, ok, k_ref[page], v_ref[page]))  # [C, H] each
+            for j, ok, k, v in loaded:
+                state = _visit_page(cfg, q, k, v, q_pos, win, ok, j * C, length, state)
+            return state
 
-        out, lse = _finish_state(lax.fori_loop(first, last, body, _init_state(R, H)))
+        steps = (last - first + loads - 1) // loads
+        out, lse = _finish_state(lax.fori_loop(0, steps, body, _init_state(R, H)))
         o_ref[...] = out
         lse_ref[...] = lse
 

@@ -91,12 +91,11 @@ def test_decode_matches_reference_with_garbage_and_bad_ids(variant):
 @pytest.mark.parametrize(
     "options",
     [
-        dict(window=3),
-        dict(softcap=2.0, scale=0.4),
+        dict(window=3, softcap=2.0, scale=0.4),
         dict(window=(2, None, 5, 1)),
         dict(causal=False, q_positions=np.array([[0, 3], [5, 1], [4, 9], [2, 2], [11, 0]])),
     ],
-    ids=["window", "softcap-scale", "per-head-window", "non-causal-positions"],
+    ids=["window-softcap-scale", "per-head-window", "non-causal-positions"],
 )
 def test_masks_match_reference(options):
     q, k_pages, v_pages, table, lengths = inputs(1, T=2)
@@ -109,16 +108,13 @@ def test_masks_match_reference(options):
 
 def test_mqa_bfloat16_jit_and_sinks():
     q, k_pages, v_pages, table, lengths = inputs(2, K=1, G=4, C=4, T=2, dtype=jnp.bfloat16)
-    step = jax.jit(functools.partial(paged_attention, impl="pallas", window=6, pages_per_block=3))
-    out = step(q, k_pages, v_pages, table, lengths).out
-    ref = paged_attention_reference(q, k_pages, v_pages, table, lengths, window=6)
-    assert out.dtype == jnp.bfloat16
-    assert_close(out, ref.out, dtype=jnp.bfloat16, what="mqa bf16 jit")
     sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
-    got = paged_attention(q, k_pages, v_pages, table, lengths, sinks=sinks, impl="pallas")
-    want = paged_attention_reference(q, k_pages, v_pages, table, lengths, sinks=sinks)
-    assert_close(got.out, want.out, dtype=jnp.bfloat16, what="sinks out")
-    assert_close(got.lse, want.lse, dtype=jnp.bfloat16, what="sinks lse")
+    step = jax.jit(functools.partial(paged_attention, impl="pallas", window=6, pages_per_block=3))
+    got = step(q, k_pages, v_pages, table, lengths, sinks=sinks)
+    want = paged_attention_reference(q, k_pages, v_pages, table, lengths, window=6, sinks=sinks)
+    assert got.out.dtype == jnp.bfloat16
+    assert_close(got.out, want.out, dtype=jnp.bfloat16, what="mqa bf16 jit sinks out")
+    assert_close(got.lse, want.lse, dtype=jnp.bfloat16, what="mqa bf16 jit sinks lse")
 
 
 def test_impl_default_unchanged_and_selection():
