@@ -316,6 +316,7 @@ def _tpu_call(qr, row_pos, row_win, k_pages, v_pages, table, lengths, page_lo, p
     def page_map(i):
         def index(b, k, j, lo_ref, hi_ref, len_ref, table_ref):
             live = jnp.clip(j, lo_ref[b], jnp.maximum(hi_ref[b] - 1, lo_ref[b]))
+            live = jnp.clip(live, 0, blocks - 1)  # an empty range may start at `blocks`
             page = table_ref[b * M + live * ppb + i]
             page = jnp.where((page > 0) & (page < P), page, 0)
             return k, page, 0, 0

@@ -245,3 +245,25 @@ def test_explicit_positions_past_the_length_and_jit(variant):
     out, _ = run(q, k_pages, v_pages, table, lengths)
     ref = paged_attention_reference(q, k_pages, v_pages, table, lengths, softcap=3.0)
     assert_close(out, ref.out, dtype=jnp.float32, what=f"{variant} jit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
+def test_window_entirely_past_a_full_table_sees_nothing(variant):
+    # Queries far past the end with a window: the live page range starts at M (= the number
+    # of blocks at one page per block), the edge where index maps must still stay in range.
+    q, k_pages, v_pages, table, lengths = inputs(9, T=2, lengths=(12, 12), M=3)
+    positions = jnp.asarray([[20, 21], [11, 30]], jnp.int32)
+    ref = check_against_reference(
+        variant,
+        q,
+        k_pages,
+        v_pages,
+        table,
+        lengths,
+        dtype=jnp.float32,
+        q_positions=positions,
+        window=4,
+        ppb=1,
+    )
+    assert np.isneginf(np.asarray(ref.lse[0])).all() and np.isfinite(ref.lse[1, 0]).all()
