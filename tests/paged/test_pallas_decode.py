@@ -267,3 +267,14 @@ def test_window_entirely_past_a_full_table_sees_nothing(variant):
         ppb=1,
     )
     assert np.isneginf(np.asarray(ref.lse[0])).all() and np.isfinite(ref.lse[1, 0]).all()
+
+
+@pytest.mark.slow
+def test_vmap_over_queries():
+    q, k_pages, v_pages, table, lengths = inputs(10, T=2, lengths=(3, 9))
+    decode = functools.partial(paged_attention, impl="pallas", softcap=4.0)
+    stacked = jnp.stack([q, 2.0 * q, -q])
+    out = jax.vmap(lambda x: decode(x, k_pages, v_pages, table, lengths).out)(stacked)
+    for i, x in enumerate(stacked):
+        ref = paged_attention_reference(x, k_pages, v_pages, table, lengths, softcap=4.0)
+        assert_close(out[i], ref.out, dtype=jnp.float32, what=f"vmap {i}")
