@@ -26,6 +26,10 @@ Quantized pools (:class:`paged.QuantizedPages`) are decoded one page block at a 
 float32 inside the walk; their NaN / inf scales in unreadable slots are removed like any
 garbage.
 
+``paged_attention(impl="pallas")`` runs the Pallas decode kernel of
+:mod:`paged._pallas_decode` instead of the XLA page walk (same semantics and safety; no
+quantized pools or page mass); ``impl="auto"`` is the XLA walk on every backend for now.
+
 Use :func:`paged.validate_page_table` eagerly (tests, notebooks) to catch such tables loudly.
 
 Jit with options bound: ``jax.jit(functools.partial(paged_attention, window=128))``. The loops
