@@ -15,6 +15,13 @@ causal; 3.5 times that for forward+backward) and its fraction of ``--peak-tflops
 H200 dense bfloat16, 989, on GPU; on TPU the dense bfloat16 peak of the chip, from
 ``TPU_PEAK_TFLOPS`` by device kind).
 
+Paged decode section (``--sections paged``): one decode token (``T = 1``) per sequence over a
+heads-major bfloat16 pool with a shuffled page table, ``paged.paged_attention(impl="pallas")``
+(the Pallas decode kernel) against ``impl="xla"`` (the page walk), for ``--paged-batch``
+sequences at each context length of ``--paged-lengths``. Each result is also achieved HBM
+GB/s (the KV pages read, plus queries and outputs) and its fraction of ``--peak-hbm-gbs``
+(default: H200, 4800); the issue's target for the kernel is 80%.
+
 Usage (from the repository root):
   JAX_PLATFORMS=cuda python -m benchmarks.bench_accel            # 4K..128K, both masks
   JAX_PLATFORMS=cuda python -m benchmarks.bench_accel --quick    # 4K and 16K, non-causal
@@ -34,7 +41,9 @@ import sys
 from benchmarks import _common
 
 PEAK_TFLOPS_H200_BF16 = 989.0
+PEAK_HBM_GBS_H200 = 4800.0
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+DEFAULT_PAGED_LENGTHS = (8192, 32768, 131072)
 # Dense bfloat16 peak TFLOP/s per chip, by the start of ``device_kind`` (public specs).
 TPU_PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5": 459.0, "TPU v6": 918.0}
 BASELINES = {"gpu": "cudnn", "tpu": "jax_flash"}
@@ -139,6 +148,103 @@ def _inputs(B, T, N, K, H, dtype, seed=0):
     return q, k, v, w
 
 
+def paged_decode_bytes(B: int, S: int, N: int, K: int, H: int, itemsize: int) -> float:
+    """HBM bytes one decode step must move: keys and values of ``B`` sequences of ``S``
+    tokens (``2 B S K H``), the queries read and the outputs written (``2 B N H``)."""
+    return float(itemsize) * (2.0 * B * S * K * H + 2.0 * B * N * H)
+
+
+def paged_inputs(B: int, S: int, N: int, K: int, H: int, C: int, dtype, seed=0):
+    """``(q [B, 1, N, H], k_pages, v_pages [K, P, C, H], table [B, M], lengths [B])``: every
+    sequence ``S`` tokens long on randomly permuted pages (page 0 the null page)."""
+    import jax
+    import jax.numpy as jnp
+
+    M = -(-S // C)
+    P = 1 + B * M
+    kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (B, 1, N, H), dtype)
+    k_pages = jax.random.normal(kk, (K, P, C, H), dtype)
+    v_pages = jax.random.normal(kv, (K, P, C, H), dtype)
+    table = (1 + jax.random.permutation(kp, B * M)).reshape(B, M).astype(jnp.int32)
+    return q, k_pages, v_pages, table, jnp.full((B,), S, jnp.int32)
+
+
+def make_paged_impls(pages_per_block: int):
+    """name -> ``decode(q, k_pages, v_pages, table, lengths) -> out``, jitted."""
+    import jax
+
+    from paged import paged_attention
+
+    def decode(impl, q, k_pages, v_pages, table, lengths):
+        return paged_attention(
+            q, k_pages, v_pages, table, lengths, pages_per_block=pages_per_block, impl=impl
+        ).out
+
+    return {name: jax.jit(functools.partial(decode, name)) for name in ("pallas", "xla")}
+
+
+def paged_interpret_smoke() -> dict[str, float]:
+    """The Pallas decode kernel once in interpret mode, tiny, against the reference."""
+    import jax.numpy as jnp
+
+    from paged import paged_attention_reference
+
+    q, k_pages, v_pages, table, lengths = paged_inputs(2, 40, 4, 2, 16, 16, jnp.bfloat16)
+    lengths = jnp.asarray([40, 7], jnp.int32)
+    want = paged_attention_reference(q, k_pages, v_pages, table, lengths).out
+    errors = {}
+    for name, decode in make_paged_impls(pages_per_block=2).items():
+        out = decode(q, k_pages, v_pages, table, lengths)
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
+        errors[f"paged_{name}/decode"] = err
+        assert err <= 2e-2, (name, err)
+    return errors
+
+
+def paged_section(args) -> list[str]:
+    """Markdown lines of the paged decode table (GPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    B, N, K, H, C = args.paged_batch, args.paged_heads, args.paged_kv_heads, args.head_dim, 16
+    lines = [
+        "",
+        f"Paged decode: bfloat16, B = {B}, T = 1, N = {N}, K = {K}, H = {H}, C = {C}, "
+        f"{args.pages_per_block} pages per block; peak HBM {args.peak_hbm_gbs:.0f} GB/s.",
+        "",
+        "| context S | impl | ms | GB/s | % peak HBM | vs xla |",
+        "|---|---|---|---|---|---|",
+    ]
+    for S in args.paged_lengths or DEFAULT_PAGED_LENGTHS:
+        inputs = paged_inputs(B, S, N, K, H, C, jnp.bfloat16)
+        fns, failed = {}, {}
+        for name, decode in make_paged_impls(args.pages_per_block).items():
+            try:
+                jax.block_until_ready(decode(*inputs))
+            except Exception as e:  # report it and keep measuring the rest
+                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                continue
+            fns[name] = functools.partial(decode, *inputs)
+        timing = _common.time_interleaved(fns, repeats=args.repeats, warmup=0)
+        best = {key: t.best for key, t in timing.items()}
+        moved = paged_decode_bytes(B, S, N, K, H, 2)
+        for name in ("pallas", "xla"):
+            if name in failed:
+                lines.append(f"| {S} | {name} | failed: {failed[name]} |")
+                continue
+            gbs = moved / best[name] / 1e9
+            ratio = f"{best['xla'] / best[name]:.2f}" if "xla" in best else "n/a"
+            lines.append(
+                f"| {S} | {name} | {best[name] * 1e3:.3f} | {gbs:.0f} | "
+                f"{100 * gbs / args.peak_hbm_gbs:.0f} | {ratio} |"
+            )
+        print("\n".join(lines[-2:]), flush=True)
+        del inputs
+    lines += ["", "`vs xla` is the XLA page walk's time over this implementation's."]
+    return lines
+
+
 def interpret_smoke() -> dict[str, float]:
     """Every implementation available on CPU once, tiny, against the reference.
 
@@ -177,6 +283,7 @@ def interpret_smoke() -> dict[str, float]:
             errors[f"{name}/{tag}/backward (relative)"] = gerr
             assert err <= 2e-2 and gerr <= 2e-2, (name, tag, err, gerr)
             jax.block_until_ready(grads)
+    errors.update(paged_interpret_smoke())
     return errors
 
 
@@ -191,6 +298,15 @@ def main(argv=None):
     parser.add_argument("--max-xla-length", type=int, default=32768)
     parser.add_argument("--causal", choices=("both", "no", "yes"), default="both")
     parser.add_argument("--interpret-smoke", action="store_true")
+    parser.add_argument(
+        "--sections", choices=("attention", "paged"), nargs="+", default=("attention", "paged")
+    )
+    parser.add_argument("--peak-hbm-gbs", type=float, default=PEAK_HBM_GBS_H200)
+    parser.add_argument("--paged-lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--paged-batch", type=int, default=8)
+    parser.add_argument("--paged-heads", type=int, default=32)
+    parser.add_argument("--paged-kv-heads", type=int, default=8)
+    parser.add_argument("--pages-per-block", type=int, default=32)
     args = parser.parse_args(argv)
 
     if args.interpret_smoke:
@@ -199,8 +315,8 @@ def main(argv=None):
         for key, err in errors.items():
             print(f"{key}: max error {err:.2e}")
         print(
-            "interpret smoke: pallas, xla and jax_mha agree with the reference "
-            "(cudnn is GPU only: not run)"
+            "interpret smoke: pallas, xla, jax_mha and the paged decode kernel agree with "
+            "the reference (cudnn is GPU only: not run)"
         )
         return 0
 
@@ -228,6 +344,9 @@ def main(argv=None):
     masks = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     if args.quick:
         masks = (False,)
+        args.paged_lengths = args.paged_lengths or (8192, 32768)
+    if "attention" not in args.sections:
+        masks = ()
     B, N, K, H = 1, args.heads, args.kv_heads, args.head_dim
     lines = [
         f"Device: {device.device_kind}, JAX {jax.__version__}; bfloat16, B = {B}, N = {N}, "
@@ -280,6 +399,8 @@ def main(argv=None):
         f"`vs {baseline}` is {baseline}'s time over this implementation's (above 1: faster "
         f"than {baseline}).",
     ]
+    if "paged" in args.sections:
+        lines += paged_section(args)
     run.write(f"Attention kernels on one {backend.upper()}", lines)
     return 0
 

@@ -29,6 +29,9 @@ Device side: :func:`paged_attention`, :func:`ragged_paged_attention` and
 their oracles are :func:`paged_attention_reference` and :func:`ragged_paged_attention_reference`.
 Keys no query may see (past ``lengths``, on the null page or a bad id, causal future, outside
 the window) have no effect on any output, even if they hold NaN or inf.
+``paged_attention(impl="pallas")`` runs a Pallas decode kernel with the same semantics
+(Triton on GPU, Mosaic on TPU, interpret mode on CPU); ``impl="auto"`` is the XLA page walk
+for now.
 
 Quantized KV: ``init_paged_cache(..., kv_format=KVFormat("int8" | "fp8"))`` stores pools as
 :class:`QuantizedPages` (int8 / float8_e4m3fn values plus one float32 absmax scale per token

@@ -26,6 +26,10 @@ Quantized pools (:class:`paged.QuantizedPages`) are decoded one page block at a 
 float32 inside the walk; their NaN / inf scales in unreadable slots are removed like any
 garbage.
 
+``paged_attention(impl="pallas")`` runs the Pallas decode kernel of
+:mod:`paged._pallas_decode` instead of the XLA page walk (same semantics and safety; no
+quantized pools or page mass); ``impl="auto"`` is the XLA walk on every backend for now.
+
 Use :func:`paged.validate_page_table` eagerly (tests, notebooks) to catch such tables loudly.
 
 Jit with options bound: ``jax.jit(functools.partial(paged_attention, window=128))``. The loops
@@ -56,7 +60,8 @@ from paged._checks import (
     pool_dtype,
 )
 from paged._page_walk import attend_sequence, kernel_options, pad_table
-from paged._quantized import QuantizedPages
+from paged._pallas_decode import decode_config, pallas_decode
+from paged._quantized import QuantizedPages, is_quantized
 
 __all__ = [
     "DEFAULT_PAGES_PER_BLOCK",
@@ -185,6 +190,30 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, q_positions,
     return finish(out, lse, mass_rows, sinks, q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _paged_attention_pallas(q, k_pages, v_pages, page_table, lengths, q_positions, sinks, *, cfg):
+    out, lse = pallas_decode(q, k_pages, v_pages, page_table, lengths, q_positions, cfg=cfg)
+    return finish(out, lse, None, sinks, q.dtype)
+
+
+def pallas_variant(fn: str, impl, backend: str, k_pages, return_page_mass) -> tuple[str, bool]:
+    """``(variant, interpret)`` of the Pallas decode kernel for ``impl`` on ``backend``, or
+    ``("xla", False)``: ``"auto"`` follows :func:`ringattn.resolve_impl` (the XLA walk for
+    now); ``"pallas"`` is the Triton kernel on GPU, the Mosaic one on TPU and the GPU-style
+    kernel in interpret mode on CPU."""
+    if impl == "pallas" and backend == "tpu":
+        variant, interpret = "tpu", False
+    elif ringattn.resolve_impl(fn, impl, backend) == "xla":
+        return "xla", False
+    else:
+        variant, interpret = "gpu", backend == "cpu"
+    if is_quantized(k_pages):
+        raise NotImplementedError(f"{fn}: impl='pallas' does not support QuantizedPages pools")
+    if return_page_mass:
+        raise NotImplementedError(f"{fn}: impl='pallas' does not support return_page_mass=True")
+    return variant, interpret
+
+
 def paged_attention(
     q: Float[Array, "B T N H"],
     k_pages: Float[Array, "K P C H"] | QuantizedPages,
@@ -201,6 +230,7 @@ def paged_attention(
     sinks: Float[Array, " N"] | None = None,
     pages_per_block: IntScalar = DEFAULT_PAGES_PER_BLOCK,
     return_page_mass: bool | np.bool_ = False,
+    impl: str = "auto",
 ) -> PagedAttentionOutput:
     """Decode attention of a few query tokens per sequence over a paged KV pool.
 
@@ -232,6 +262,10 @@ def paged_attention(
       return_page_mass: also compute ``page_mass [B, N, M]`` float32, the softmax probability
         each page-table slot received, summed over the ``T`` queries (for eviction/offload
         policies).
+      impl: ``"auto"`` (the XLA page walk, on every backend for now, as
+        :func:`ringattn.blockwise_attention`), ``"xla"``, or ``"pallas"``: a Pallas decode
+        kernel (:mod:`paged._pallas_decode`; Triton on GPU, Mosaic on TPU, interpret mode on
+        CPU) with the same semantics, its ``pages_per_block`` pages per grid block.
 
     Returns:
       :class:`PagedAttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N] float32,
@@ -240,7 +274,10 @@ def paged_attention(
 
     Raises:
       ValueError: on inconsistent ranks, shapes, dtypes or options (``paged_attention: <arg>:
-        expected ..., got ...``).
+        expected ..., got ...``), or an unknown ``impl``.
+      NotImplementedError: ``impl="pallas"`` with a :class:`paged.QuantizedPages` pool,
+        ``return_page_mass=True``, or (compiled on GPU) a page size or head dim that is not a
+        power of two >= 16.
 
     Example:
       >>> import jax.numpy as jnp
@@ -266,6 +303,21 @@ def paged_attention(
     opts = kernel_options(
         fn, spec, N, H, pages_per_block, page_table.shape[1], bool(return_page_mass)
     )
+    variant, interpret = pallas_variant(
+        fn, impl, jax.default_backend(), k_pages, bool(return_page_mass)
+    )
+    if variant != "xla":
+        cfg = decode_config(fn, opts, C, H, variant, interpret)
+        return _paged_attention_pallas(
+            q,
+            k_pages,
+            v_pages,
+            jnp.asarray(page_table),
+            jnp.asarray(lengths),
+            q_positions,
+            sinks,
+            cfg=cfg,
+        )
     return _paged_attention_impl(
         q,
         k_pages,

@@ -47,7 +47,7 @@ On global arrays over a mesh: :func:`sharded_attention` (ring / all-gather / Uly
 and :func:`sharded_decode_attention` (decode over a sequence-sharded KV cache, tree attention).
 """
 
-from ringattn._blockwise import BlockSizes, blockwise_attention
+from ringattn._blockwise import BlockSizes, blockwise_attention, resolve_impl
 from ringattn._decode import (
     allreduce_attention_per_shard,
     decode_attention_per_shard,
@@ -84,6 +84,7 @@ __all__ = [
     # single device
     "attention_reference",
     "blockwise_attention",
+    "resolve_impl",
     "apply_sinks",
     "merge_attention",
     "OnlineSoftmax",
