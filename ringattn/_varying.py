@@ -11,7 +11,7 @@ from JAX's abstract values.
 import jax
 from jax import lax
 
-__all__ = ["cast_varying", "match_varying", "varying_axes"]
+__all__ = ["cast_varying", "match_varying", "varying_axes", "varying_struct"]
 
 
 def _axes_of(x) -> frozenset:
@@ -60,3 +60,14 @@ def match_varying(*xs):
     """
     axes = varying_axes(*xs)
     return tuple(cast_varying(x, axes) for x in xs)
+
+
+def varying_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
+    """A ``jax.ShapeDtypeStruct`` that varies along the manual axes of the arrays ``like``.
+
+    ``pallas_call`` inside ``jax.shard_map(check_vma=True)`` needs its ``out_shape`` to say
+    how each output varies; a kernel's outputs vary along every axis one of its operands
+    does. Outside ``shard_map`` the struct carries no axes (and ``pallas_call`` ignores them).
+    """
+    mat = jax.sharding.ManualAxisType(varying=varying_axes(*like))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
