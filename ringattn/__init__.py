@@ -45,6 +45,12 @@ K/V, with straight-through ``dk``/``dv``.
 
 On global arrays over a mesh: :func:`sharded_attention` (ring / all-gather / Ulysses / USP)
 and :func:`sharded_decode_attention` (decode over a sequence-sharded KV cache, tree attention).
+
+Kernels: :func:`blockwise_attention`, :func:`ring_attention_per_shard` and
+:func:`sharded_attention` take ``impl="auto" | "xla" | "pallas"``. ``"pallas"`` runs Pallas
+kernels that return ``(out, lse)`` (Triton on GPU, interpret mode on CPU; per hop in the
+ring); ``"auto"`` is the XLA path on every backend until the compiled kernels have been
+checked on a GPU.
 """
 
 from ringattn._blockwise import BlockSizes, blockwise_attention

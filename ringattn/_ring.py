@@ -265,16 +265,16 @@ def _ring_forward_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, plan: _Ri
     B, T, N, H = q.shape
     block = (k, v, kv_pos, kv_seg)
 
-    def compute(block, partial: AttentionOutput, arriving):
+    def compute(block, running: AttentionOutput, arriving):
         kb, vb, kp, ks = block
         out, lse = _forward_call(q, kb, vb, q_pos, kp, q_seg, ks, table, plan.pallas)
-        return merge_attention(partial.out, partial.lse, out, lse), None
+        return merge_attention(running.out, running.lse, out, lse), None
 
     empty = AttentionOutput(
         jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
     )
-    partial = cast_varying(empty, varying_axes(q, q_pos, q_seg, table, *block))
-    (out, lse), _ = _run_hops(plan, block, partial, compute)
+    running = cast_varying(empty, varying_axes(q, q_pos, q_seg, table, *block))
+    (out, lse), _ = _run_hops(plan, block, running, compute)
     return out.astype(q.dtype), lse
 
 
@@ -324,11 +324,11 @@ def shard_pallas_config(
     interpret = jax.default_backend() == "cpu"
     (bq, bk), (bq_bwd, bk_bwd) = pallas_blocks(block_sizes, G, T, S, interpret)
     if layout == "zigzag":
-        half = (
-            (lambda b, L: min(b, L // 2))
-            if interpret
-            else (lambda b, L: _floor_pow2(min(b, L // 2)))
-        )
+
+        def half(b: int, L: int) -> int:
+            b = min(b, L // 2)
+            return b if interpret else 1 << (b.bit_length() - 1)  # Triton: a power of two
+
         bq, bk, bq_bwd, bk_bwd = half(bq, T), half(bk, S), half(bq_bwd, T), half(bk_bwd, S)
     mode = False
     if interpret:
@@ -336,10 +336,6 @@ def shard_pallas_config(
 
         mode = pltpu.InterpretParams()
     return PallasConfig(mask, mask.scale_for(H), bq, bk, bq_bwd, bk_bwd, interpret=mode)
-
-
-def _floor_pow2(n: int) -> int:
-    return 1 << (max(1, int(n)).bit_length() - 1)
 
 
 def _axis_size(fn: str, seq_axis) -> int:
@@ -617,13 +613,15 @@ def hop_bytes(
     block_sizes: BlockSizes | None = None,
     segment_ids: bool = False,
     backward: bool = False,
+    impl: str = "auto",
 ) -> int:
     """Bytes each device sends in one hop of :func:`ring_attention_per_shard`.
 
     A forward hop is one packed buffer: keys and values of the ``kv_heads`` heads (in
     ``dtype``, or quantized data plus one float32 scale per token and kv head), int32
     positions and, with ``segment_ids``, int32 segment ids, each padded to the kernel's key
-    block. A backward hop sends the same buffer and the block's float32 dK/dV accumulators
+    block (``impl="pallas"``: not padded, the block travels in the canonical layout). A
+    backward hop sends the same buffer and the block's float32 dK/dV accumulators
     (``2 * head_dim`` floats per token and kv head). With ``"int8"`` or ``"fp8"`` K/V take
     ``head_dim + 4`` bytes per token and kv head, against ``4 * head_dim`` in float32 and
     ``2 * head_dim`` in bfloat16.
@@ -639,12 +637,15 @@ def hop_bytes(
       block_sizes: the ring's :class:`ringattn.BlockSizes` (default ``BlockSizes()``).
       segment_ids: whether segment ids travel with the keys.
       backward: the backward pass's hop (block sizes ``block_sizes.backward``, plus dK/dV).
+      impl: the ring's ``impl`` (``"auto"``, ``"xla"`` or ``"pallas"``).
 
     Returns:
       Bytes per hop per device (an int).
 
     Raises:
-      ValueError: on a negative size, a bad ``hop_format``, ``layout`` or ``block_sizes``.
+      ValueError: on a negative size, a bad ``hop_format``, ``layout``, ``block_sizes`` or
+        ``impl``.
+      NotImplementedError: ``impl="pallas"`` with a ``hop_format``.
 
     Example:
       >>> hop_bytes(1, 1024, 2, 128, "float32", hop_format="int8")  # K/V + int32 positions
@@ -666,8 +667,10 @@ def hop_bytes(
     if layout not in LAYOUTS:
         raise fail(fn, "layout", f"one of {LAYOUTS}", repr(layout))
     sizes = _layout_block_sizes(check_block_sizes(fn, block_sizes), layout, S, S)
+    impl = resolve_impl(fn, impl, jax.default_backend())
+    check_pallas_options(fn, impl, hop_format)
     block_kv = (sizes.backward if backward else sizes.forward)[1]
-    Sp = round_up(S, min(block_kv, S)) if S else 0
+    Sp = round_up(S, min(block_kv, S)) if S and impl == "xla" else S
     rows = B * K * Sp
     total = 2 * rows * hop_row_bytes(H, dtype, hop_format) + B * Sp * 4 * (1 + bool(segment_ids))
     if backward:

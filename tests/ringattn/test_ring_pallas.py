@@ -24,11 +24,13 @@ from ringattn import (
     SegmentIds,
     attention_reference,
     from_layout,
+    hop_bytes,
     ring_attention_per_shard,
     sharded_attention,
     to_layout,
 )
 from tests._util import assert_close, attention_inputs, make_test_mesh, segments_from_cuts
+from tests.ringattn.test_quantized_hops import _ppermute_bytes
 
 # Small blocks, so a shard of 8 tokens has several query and key blocks of every kind.
 BLOCKS = BlockSizes(block_q=4, block_kv=4, block_q_bwd=2, block_kv_bwd=4)
@@ -100,9 +102,14 @@ def _per_shard_ring(mesh, n, layout, kw, impl, block_sizes=BLOCKS):
     return attend
 
 
-def _check(attend, q, k, v, kw, *, dtype=jnp.float32, seed=1):
-    """Runs ``attend`` and the reference in one ``jit`` and compares everything."""
+def _check(attend, q, k, v, kw, *, dtype=jnp.float32, seed=1, kernels=None):
+    """Runs ``attend`` and the reference in one ``jit`` and compares everything.
+
+    ``kernels``: if given, the number of ``pallas_call`` the forward must trace.
+    """
     B, T, N, H = q.shape
+    if kernels is not None:
+        assert str(jax.make_jaxpr(attend)(q, k, v)).count("pallas_call") == kernels
     rng = np.random.default_rng(seed)
     dout = jnp.asarray(rng.standard_normal((B, T, N, H), dtype=np.float32))
     dlse = jnp.asarray(rng.standard_normal((B, T, N), dtype=np.float32))
@@ -159,19 +166,23 @@ def _gapped(B, L, seed=0):
 
 
 # ---------------------------------------------------------------- default run (~15 s)
+# One interpret-mode ring case (Auto axes) and checks of the impl switch; Explicit axes and the
+# rest of the matrix are in the slow run below.
 
 
 def test_ring_pallas_causal_zigzag_gqa_segments():
-    # 2 shards of 8 tokens in the zigzag layout (4-token chunks), GQA, causal with packed
-    # documents: the hops hold skipped, unmasked and masked block pairs, forward and backward.
-    n, L = 2, 16
+    # 2 shards of 4 tokens in the zigzag layout (2-token chunks, so blocks of 2), GQA, causal
+    # with packed documents: the hops hold skipped, unmasked and masked block pairs, forward
+    # and backward. Tiny, as interpret mode is slow; the slow run below has larger cases.
+    n, L = 2, 8
     mesh = make_test_mesh((n,), ("seq",), axis_type=AxisType.Auto)
     q, k, v = attention_inputs(1, L, L, 4, 2, 8, jnp.float32)
-    seg = segments_from_cuts(1, L, (5, 11))
+    seg = segments_from_cuts(1, L, (3, 6))
     kw = dict(causal=True, segment_ids=SegmentIds(seg, seg))
     _check(_per_shard_ring(mesh, n, "zigzag", kw, "pallas", block_sizes=None), q, k, v, kw)
 
 
+@pytest.mark.slow
 def test_ring_pallas_window_positions_explicit_axes():
     # Explicit mesh axes, contiguous shards, a causal sliding window over explicit gapped
     # global positions, MQA, the Pallas default block sizes.
@@ -194,6 +205,10 @@ def test_impl_validation():
             sharded_attention(q, k, v, mesh=mesh, seq_axis="seq", impl=bad)
     with pytest.raises(NotImplementedError, match="hop_format"):
         ring_attention_per_shard(q, k, v, seq_axis="seq", hop_format="int8", impl="pallas")
+    with pytest.raises(ValueError, match="impl"):
+        hop_bytes(1, 8, 1, 8, "float32", impl="cuda")
+    with pytest.raises(NotImplementedError, match="hop_format"):
+        hop_bytes(1, 8, 1, 8, "float32", hop_format="int8", impl="pallas")
     for strategy in ("ring", "usp"):
         seq_axis = "seq" if strategy == "ring" else ("seq", "seq2")
         mesh2 = make_test_mesh((2, 1), ("seq", "seq2")) if strategy == "usp" else mesh
@@ -229,26 +244,96 @@ def test_default_and_xla_trace_the_same_program_without_pallas():
     assert program("pallas").count("pallas_call") == 2 * 3  # two hops: forward, dq, dk/dv
 
 
+def test_hop_bytes_is_what_travels_with_pallas():
+    # Under impl="pallas" the block travels unpadded, in the canonical layout: hop_bytes says
+    # so and equals the ppermute operand bytes, forward and forward + backward.
+    n, B, N, K, S, H = 4, 1, 4, 2, 12, 8
+    mesh = make_test_mesh((n,), ("seq",))
+
+    def body(q, k, v, seg):
+        ids = SegmentIds(seg, seg)
+        return ring_attention_per_shard(
+            q, k, v, seq_axis="seq", causal=True, segment_ids=ids, impl="pallas"
+        ).out
+
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), check_vma=True
+    )
+    grad = jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))
+    q = jax.ShapeDtypeStruct((B, n * S, N, H), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, n * S, K, H), jnp.float32)
+    seg = jax.ShapeDtypeStruct((B, n * S), jnp.int32)
+    fwd_hop = hop_bytes(B, S, K, H, "float32", segment_ids=True, impl="pallas")
+    bwd_hop = hop_bytes(B, S, K, H, "float32", segment_ids=True, backward=True, impl="pallas")
+    assert fwd_hop == 2 * B * S * K * H * 4 + 2 * B * S * 4  # K/V, positions, segment ids
+    assert bwd_hop == fwd_hop + B * S * K * 2 * H * 4  # and the float32 dK/dV
+    assert _ppermute_bytes(jax.make_jaxpr(f)(q, kv, kv, seg).jaxpr) == (n - 1) * fwd_hop
+    dkv_home = B * K * S * 2 * H * 4
+    expected = (n - 1) * (fwd_hop + bwd_hop) + dkv_home
+    assert _ppermute_bytes(jax.make_jaxpr(grad)(q, kv, kv, seg).jaxpr) == expected
+
+
+def test_ring_kernels_lower_to_triton_for_cuda_inside_shard_map(monkeypatch):
+    # The compiled path: with the backend reported as "gpu", impl="pallas" builds the Triton
+    # kernels (no interpret mode), and jax.export lowers the ring's forward and backward for
+    # CUDA on this CPU host, under shard_map(check_vma=True) on 4 devices. Three forward
+    # kernels (the local hop, the loop body, the last hop) and three dq + three dk/dv ones.
+    # Compiling the Triton IR and running it needs a GPU and is not checked here.
+    from jax import export
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    mesh = make_test_mesh((4,), ("seq",))
+    per_shard = functools.partial(
+        ring_attention_per_shard,
+        seq_axis="seq",
+        layout="zigzag",
+        causal=True,
+        window=(64, None, 128, 32),
+        softcap=30.0,
+        impl="pallas",
+    )
+    f = jax.shard_map(
+        per_shard, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), check_vma=True
+    )
+
+    def loss(q, k, v):
+        out, lse = f(q, k, v)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+    B, L, N, K, H = 1, 1024, 4, 2, 64
+    shapes = [jax.ShapeDtypeStruct((B, L, heads, H), jnp.bfloat16) for heads in (N, K, K)]
+    triton = "__gpu$xla.gpu.triton"
+    exported = export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+        platforms=("cuda",),
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
+    )(*shapes)
+    assert exported.mlir_module().count(f"@{triton}(") == 3 + 3 * 2
+
+
 # ---------------------------------------------------------------- the matrix (slow)
 
 RING_CASES = {
-    # name: (n, layout, (N, K), options, dtype)
-    "n4-contiguous-window-hops": (4, "contiguous", (4, 2), dict(causal=True, window=6), "f32"),
+    # name: (n, layout, (N, K), options, dtype, hops after the local one)
+    # A window of 6 over shards of 8: only the hop from the previous shard can be visible.
+    "n4-contiguous-window-hops": (4, "contiguous", (4, 2), dict(causal=True, window=6), "f32", 1),
     "n4-striped-per-head-windows-softcap": (
         4,
         "striped",
         (4, 2),
         dict(causal=True, window=(5, None, 9, 3), softcap=4.0),
         "f32",
+        3,
     ),
-    "n4-contiguous-full-mqa-segments": (4, "contiguous", (4, 1), dict(segments=True), "f32"),
-    "n4-zigzag-causal-gqa-bf16": (4, "zigzag", (8, 2), dict(causal=True), "bf16"),
+    "n4-contiguous-full-mqa-segments": (4, "contiguous", (4, 1), dict(segments=True), "f32", 3),
+    "n4-zigzag-causal-gqa-bf16": (4, "zigzag", (8, 2), dict(causal=True), "bf16", 3),
     "n2-zigzag-window-positions": (
         2,
         "zigzag",
         (4, 2),
         dict(causal=True, window=3, gaps=True),
         "f32",
+        1,
     ),
     "n8-contiguous-window-segments": (
         8,
@@ -256,10 +341,17 @@ RING_CASES = {
         (4, 1),
         dict(causal=True, window=11, segments=True),
         "f32",
+        2,
     ),
-    "n1-contiguous-causal": (1, "contiguous", (4, 2), dict(causal=True, softcap=3.0), "f32"),
+    "n1-contiguous-causal": (1, "contiguous", (4, 2), dict(causal=True, softcap=3.0), "f32", 0),
 }
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def _traced(hops: int) -> int:
+    """Forward kernels in the program of a ring of ``hops`` hops: the local hop, the loop
+    body over the middle hops (traced once) and the last hop."""
+    return min(hops + 1, 3)
 
 
 def _ring_kwargs(B, L, opts):
@@ -278,13 +370,21 @@ def _ring_kwargs(B, L, opts):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RING_CASES))
 def test_ring_pallas_matches_reference(name):
-    n, layout, (N, K), opts, dtype = RING_CASES[name]
+    n, layout, (N, K), opts, dtype, hops = RING_CASES[name]
     dtype = DTYPES[dtype]
     L = 8 * n
     mesh = make_test_mesh((n,), ("seq",))
     q, k, v = attention_inputs(2, L, L, N, K, 8, dtype, seed=len(name))
     kw = _ring_kwargs(2, L, opts)
-    _check(_per_shard_ring(mesh, n, layout, kw, "pallas"), q, k, v, kw, dtype=dtype)
+    _check(
+        _per_shard_ring(mesh, n, layout, kw, "pallas"),
+        q,
+        k,
+        v,
+        kw,
+        dtype=dtype,
+        kernels=_traced(hops),
+    )
 
 
 @pytest.mark.slow
@@ -320,7 +420,8 @@ def test_sharded_pallas_strategies(strategy, axis_type):
     seg = segments_from_cuts(1, L, (9, 20))
     kw = dict(causal=True, window=(7, None, 12, 5), segment_ids=SegmentIds(seg, seg))
     attend = _sharded(mesh, n, strategy, seq_axis, "zigzag", kw, "pallas")
-    _check(attend, q, k, v, kw)
+    # The ring strategies run the forward kernel on every hop (causal zigzag prunes none).
+    _check(attend, q, k, v, kw, kernels=_traced(n - 1) if strategy in ("ring", "usp") else 1)
 
 
 @pytest.mark.slow
@@ -337,7 +438,7 @@ def test_sharded_pallas_batch_and_head_axes(strategy):
     q, k, v = attention_inputs(2, L, L, 8, 2, 8, jnp.float32, seed=7)
     kw = dict(causal=True, softcap=5.0)
     attend = _sharded(mesh, 2, strategy, "seq", "striped", kw, "pallas", **axes)
-    _check(attend, q, k, v, kw)
+    _check(attend, q, k, v, kw, kernels=2 if strategy == "ring" else 1)
 
 
 @pytest.mark.slow
