@@ -244,6 +244,26 @@ def test_default_and_xla_trace_the_same_program_without_pallas():
     assert program("pallas").count("pallas_call") == 2 * 3  # two hops: forward, dq, dk/dv
 
 
+def test_varying_struct_varies_like_its_operands():
+    # The out_shape the kernels give pallas_call: no axes outside shard_map, the union of the
+    # operands' varying axes inside (here "seq", not the replicated "data").
+    from ringattn._varying import varying_axes, varying_struct
+
+    assert varying_struct((2, 3), jnp.float32, jnp.ones(2)).manual_axis_type.varying == set()
+    mesh = make_test_mesh((2, 2), ("data", "seq"))
+    seen = []
+
+    def body(x, y):
+        struct = varying_struct((4,), jnp.float32, y, x)
+        seen.append((struct.shape, struct.dtype, struct.manual_axis_type.varying))
+        assert varying_axes(x) == {"seq"} and not varying_axes(y)
+        return x
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("seq"), P()), out_specs=P("seq"), check_vma=True)
+    jax.make_jaxpr(f)(jnp.ones(4), jnp.ones(3))
+    assert seen == [((4,), jnp.float32, {"seq"})]
+
+
 def test_hop_bytes_is_what_travels_with_pallas():
     # Under impl="pallas" the block travels unpadded, in the canonical layout: hop_bytes says
     # so and equals the ppermute operand bytes, forward and forward + backward.
