@@ -2,8 +2,9 @@
 
 The Pallas kernels run on CPU in Pallas's TPU interpret mode (``interpret=True``'s HLO
 interpreter fails ``check_vma`` inside ``shard_map``), which costs seconds per compile: the
-default run holds one small ring case per mesh axis type and cheap checks of the ``impl``
-switch; the matrix over layouts, masks, strategies and dtypes is marked slow. Every case
+default run holds one tiny ring case and cheap checks (the ``impl`` switch, the traced
+program, hop bytes, the Triton lowering); the matrix over layouts, masks, strategies, dtypes
+and Auto / Explicit mesh axes is marked slow. Every case
 builds global arrays, runs under ``jax.jit`` with ``check_vma=True``, and compares the output,
 the log-sum-exp and the gradients of a loss through both with ``attention_reference``.
 """
@@ -165,7 +166,7 @@ def _gapped(B, L, seed=0):
     return jnp.asarray(np.cumsum(steps, axis=1), jnp.int32)
 
 
-# ---------------------------------------------------------------- default run (~15 s)
+# ---------------------------------------------------------------- default run (~11 s)
 # One interpret-mode ring case (Auto axes) and checks of the impl switch; Explicit axes and the
 # rest of the matrix are in the slow run below.
 
