@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+import ringattn
+
 __all__ = ["DecodeConfig", "decode_config", "pallas_decode"]
 
 # "No window" for one head in a per-head window operand (as paged._page_walk).
@@ -228,6 +230,13 @@ def _gpu_call(qr, row_pos, row_win, k_pages, v_pages, table, lengths, page_lo, p
     pool_spec = pl.BlockSpec((None, P, C, H), lambda b, k, s: (k, 0, 0, 0))
     in_specs += [pool_spec, pool_spec]
     operands += [k_pages, v_pages]
+    interpret = cfg.interpret
+    if interpret and ringattn.varying_axes(*operands):
+        # Inside shard_map(check_vma=True) the HLO interpreter fails the vma check of its
+        # grid loop; Pallas's TPU interpret mode runs the same kernel.
+        from jax.experimental.pallas import tpu as pltpu
+
+        interpret = pltpu.InterpretParams()
     if cfg.interpret:
         params = None
     else:
@@ -243,10 +252,10 @@ def _gpu_call(qr, row_pos, row_win, k_pages, v_pages, table, lengths, page_lo, p
             pl.BlockSpec((None, None, None, R, 1), lambda b, k, s: (b, k, s, 0, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, K, splits, R, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, splits, R, 1), jnp.float32),
+            ringattn.varying_struct((B, K, splits, R, H), jnp.float32, *operands),
+            ringattn.varying_struct((B, K, splits, R, 1), jnp.float32, *operands),
         ],
-        interpret=cfg.interpret,
+        interpret=interpret,
         compiler_params=params,
         name="paged_pallas_decode",
     )(*operands)
@@ -351,8 +360,8 @@ def _tpu_call(qr, row_pos, row_win, k_pages, v_pages, table, lengths, page_lo, p
         functools.partial(_tpu_kernel, cfg=cfg, P=P, M=M),
         grid_spec=grid_spec,
         out_shape=[
-            jax.ShapeDtypeStruct((B, K, R, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, R, 1), jnp.float32),
+            ringattn.varying_struct((B, K, R, H), jnp.float32, *operands),
+            ringattn.varying_struct((B, K, R, 1), jnp.float32, *operands),
         ],
         interpret=pltpu.InterpretParams() if cfg.interpret else False,
         compiler_params=pltpu.CompilerParams(
@@ -390,6 +399,10 @@ def pallas_decode(q, k_pages, v_pages, page_table, lengths, q_positions, *, cfg:
     """
     B, T, N, H = q.shape
     K, P, C, _ = k_pages.shape
+    # Inside shard_map(check_vma=True) every operand varies like the outputs.
+    q, k_pages, v_pages, page_table, lengths, q_positions = ringattn.match_varying(
+        q, k_pages, v_pages, page_table, lengths, q_positions
+    )
     G = N // K
     R = max(16, _pow2(T * G))
     ppb = cfg.pages_per_block

@@ -35,7 +35,8 @@ Single device: :func:`attention_reference` (the dense oracle), :func:`blockwise_
 
 Per shard inside ``shard_map``: :func:`ring_attention_per_shard`,
 :func:`decode_attention_per_shard`, :func:`allreduce_attention_per_shard`,
-:func:`match_varying`, and the load-balanced sequence layouts :data:`LAYOUTS`
+:func:`match_varying` (with :func:`varying_axes` and :func:`varying_struct`, the
+``out_shape`` of a ``pallas_call`` under ``check_vma=True``), and the load-balanced sequence layouts :data:`LAYOUTS`
 (:func:`to_layout`, :func:`from_layout`, :func:`shard_positions`).
 
 Quantized ring hops (``hop_format="int8"`` / ``"fp8"`` on the ring and USP): K/V travel as
@@ -45,6 +46,12 @@ K/V, with straight-through ``dk``/``dv``.
 
 On global arrays over a mesh: :func:`sharded_attention` (ring / all-gather / Ulysses / USP)
 and :func:`sharded_decode_attention` (decode over a sequence-sharded KV cache, tree attention).
+
+Kernels: :func:`blockwise_attention`, :func:`ring_attention_per_shard` and
+:func:`sharded_attention` take ``impl="auto" | "xla" | "pallas"``. ``"pallas"`` runs Pallas
+kernels that return ``(out, lse)`` (Triton on GPU, interpret mode on CPU; per hop in the
+ring); ``"auto"`` is the XLA path on every backend until the compiled kernels have been
+checked on a GPU.
 """
 
 from ringattn._blockwise import BlockSizes, blockwise_attention, resolve_impl
@@ -69,7 +76,7 @@ from ringattn._options import MaskSpec, Positions, SegmentIds, attention_mask, r
 from ringattn._reference import attention_reference
 from ringattn._ring import hop_bytes, ring_attention_per_shard
 from ringattn._sharded import STRATEGIES, sharded_attention
-from ringattn._varying import match_varying
+from ringattn._varying import match_varying, varying_axes, varying_struct
 
 __all__ = [
     # options and results
@@ -99,6 +106,8 @@ __all__ = [
     "allreduce_attention_per_shard",
     "decode_attention_per_shard",
     "match_varying",
+    "varying_axes",
+    "varying_struct",
     "ring_attention_per_shard",
     # quantized ring hops
     "HOP_FORMATS",

@@ -209,7 +209,15 @@ def make_pallas_config(spec: MaskSpec, block_sizes, G: int, T: int, S: int, H: i
 def _blockwise_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, mask, cfg):
     windows = head_windows(mask, q.shape[2])
     table = None if windows is None else window_table(windows, q.shape[0], k.shape[2])
-    out, lse = pallas_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+    args = (q, k, v, q_pos, kv_pos, q_seg, kv_seg, table)
+    axes = varying_axes(*args)
+    if axes:  # inside shard_map(check_vma=True): every operand varies like the outputs
+        args = cast_varying(args, axes)
+        if cfg.interpret is True:  # the HLO interpreter fails check_vma: TPU interpret mode
+            from jax.experimental.pallas import tpu as pltpu
+
+            cfg = dataclasses.replace(cfg, interpret=pltpu.InterpretParams())
+    out, lse = pallas_attention(*args, cfg)
     return apply_sinks(out, lse, sinks)
 
 

@@ -45,6 +45,7 @@ from ringattn._blocks import (
 )
 from ringattn._heads_major import attention_delta, pad_ids
 from ringattn._options import MaskSpec
+from ringattn._varying import varying_struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ class PallasConfig:
     block_kv: int
     block_q_bwd: int
     block_kv_bwd: int
-    interpret: bool
+    interpret: bool | object  # or a pltpu.InterpretParams: TPU interpret mode (on CPU)
     # "triton" (GPU; these kernels) or "mosaic" (TPU; ringattn._pallas_tpu). With
     # interpret=True each runs on CPU in its interpret mode (Mosaic: TPU interpret mode).
     target: str = "triton"
@@ -472,8 +473,8 @@ def _forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfi
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=[
-            jax.ShapeDtypeStruct(qr.shape, q.dtype),
-            jax.ShapeDtypeStruct(qr.shape[:2], jnp.float32),
+            varying_struct(qr.shape, q.dtype, prep.kinds, qr, kr, vr, *ids),
+            varying_struct(qr.shape[:2], jnp.float32, prep.kinds, qr, kr, vr, *ids),
         ],
         interpret=cfg.interpret,
         compiler_params=_compiler_params(cfg),
@@ -515,7 +516,9 @@ def _backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delt
             *_id_specs(prep, K, R, Sp, lambda i: i, lambda i: 0),
         ],
         out_specs=pl.BlockSpec((None, R, Hp), lambda b, i: (b, i, 0)),
-        out_shape=jax.ShapeDtypeStruct(qr.shape, jnp.float32),
+        out_shape=varying_struct(
+            qr.shape, jnp.float32, prep.kinds, qr, kr, vr, dor, lser, deltar, *ids
+        ),
         interpret=cfg.interpret,
         compiler_params=_compiler_params(cfg),
         name="ringattn_pallas_dq",
@@ -544,7 +547,10 @@ def _backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delt
             pl.BlockSpec((None, bk, Hp), lambda b, j: (b, j, 0)),
             pl.BlockSpec((None, bk, Hp), lambda b, j: (b, j, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct(kr.shape, jnp.float32)] * 2,
+        out_shape=[
+            varying_struct(kr.shape, jnp.float32, kinds_t, qr, kr, vr, dor, lser, deltar, *ids)
+        ]
+        * 2,
         interpret=cfg.interpret,
         compiler_params=_compiler_params(cfg),
         name="ringattn_pallas_dkv",

@@ -53,6 +53,7 @@ from ringattn._pallas import (
     score_grads,
     visibility,
 )
+from ringattn._varying import varying_struct
 
 LANES, SUBLANES = 128, 8
 
@@ -354,17 +355,18 @@ def forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig
         nk=nk,
     )
     TG = ops.q.shape[1]
+    fwd_operands = (ops.q, ops.k, ops.v, *[x for x, _ in ops.ids])
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=[
-            jax.ShapeDtypeStruct(ops.q.shape, q.dtype),
-            jax.ShapeDtypeStruct((B * K, TG, LANES), jnp.float32),
+            varying_struct(ops.q.shape, q.dtype, *fwd_operands),
+            varying_struct((B * K, TG, LANES), jnp.float32, *fwd_operands),
         ],
         interpret=_interpret(cfg),
         compiler_params=_compiler_params(cfg),
         name="ringattn_mosaic_forward",
-    )(lo, hi, prep.kinds.reshape(-1), ops.q, ops.k, ops.v, *[x for x, _ in ops.ids])
+    )(lo, hi, prep.kinds.reshape(-1), *fwd_operands)
     return _from_rows(out, B, T, N, H), _stat_from_rows(lse[..., 0], B, T, N)
 
 
@@ -410,7 +412,7 @@ def backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta
             out_specs=pl.BlockSpec((None, R, Hp), rows),
             scratch_shapes=[pltpu.VMEM((R, Hp), jnp.float32)],
         ),
-        out_shape=jax.ShapeDtypeStruct(ops.q.shape, jnp.float32),
+        out_shape=varying_struct(ops.q.shape, jnp.float32, *operands),
         interpret=_interpret(cfg),
         compiler_params=_compiler_params(cfg),
         name="ringattn_mosaic_dq",
@@ -442,7 +444,7 @@ def backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta
             ],
             scratch_shapes=[pltpu.VMEM((bk, Hp), jnp.float32)] * 2,
         ),
-        out_shape=[jax.ShapeDtypeStruct(ops.k.shape, jnp.float32)] * 2,
+        out_shape=[varying_struct(ops.k.shape, jnp.float32, *operands)] * 2,
         interpret=_interpret(cfg),
         compiler_params=_compiler_params(cfg),
         name="ringattn_mosaic_dkv",

@@ -23,6 +23,14 @@ other documents), folding the hop's keys into one running float32 online-softmax
   float32 scales instead of K/V in their dtype, and every block (the local one too) is
   dequantized to float32 before its compute: exact attention over the dequantized K/V, with
   straight-through ``dk``/``dv`` (the backward ring sends the same quantized K/V).
+* ``impl="pallas"``: every hop's block is computed by the Pallas forward kernel of
+  :mod:`ringattn._pallas`, which returns the hop's ``(out, lse)``; the hops are merged in
+  float32 (:func:`ringattn.merge_attention`). The block travels in the canonical layout
+  (``[B, S, K, H]`` and ids). The backward ring runs the Pallas ``dq`` and ``dk, dv``
+  kernels per hop from the GLOBAL ``lse`` and ``delta`` (FlashAttention-2's ring backward),
+  with the float32 dK/dV travelling with the block as above. On CPU the kernels run in
+  Pallas's TPU interpret mode (``pltpu.InterpretParams``): the plain ``interpret=True`` HLO
+  interpreter fails the ``check_vma`` type check inside ``shard_map`` (JAX 0.10).
 
 References:
   Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
@@ -31,6 +39,7 @@ References:
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +47,15 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
+from ringattn import _blockwise
 from ringattn._blocks import round_up, window_table
-from ringattn._blockwise import BlockSizes, check_block_sizes, empty_attention, head_windows
+from ringattn._blockwise import (
+    BlockSizes,
+    check_block_sizes,
+    empty_attention,
+    head_windows,
+    resolve_impl,
+)
 from ringattn._checks import FloatLike, IntLike, check_int, fail
 from ringattn._heads_major import (
     attention_delta,
@@ -55,8 +71,15 @@ from ringattn._hop_format import check_hop_format, dequantize_rows, hop_row_byte
 from ringattn._kernels_backward import update_backward_heads_major
 from ringattn._kernels_forward import init_forward_state, update_forward_heads_major
 from ringattn._layout import LAYOUTS, shard_positions
-from ringattn._online_softmax import AttentionOutput, apply_sinks, finalize_online_softmax
+from ringattn._online_softmax import (
+    AttentionOutput,
+    apply_sinks,
+    finalize_online_softmax,
+    merge_attention,
+)
 from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
+from ringattn._pallas import PallasConfig, kernel_calls, pallas_blocks
+from ringattn._pallas_tpu import mosaic_blocks
 from ringattn._varying import cast_varying, varying_axes
 
 __all__ = ["hop_bytes", "ring_attention_per_shard"]
@@ -74,6 +97,7 @@ class _RingPlan:
     mask: MaskSpec
     block_sizes: BlockSizes
     hop_format: str | None = None  # None: K/V travel in their dtype; "int8" / "fp8"
+    pallas: PallasConfig | None = None  # None: the XLA kernels; else the Pallas kernels'
 
 
 def _shift(x, plan: _RingPlan, offset: int):
@@ -162,6 +186,8 @@ def _run_hops(plan: _RingPlan, block, carry, compute):
 
 
 def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan: _RingPlan):
+    if plan.pallas is not None:
+        return _ring_forward_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.forward)
@@ -190,6 +216,8 @@ def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan):
 
 
 def _ring_bwd(plan: _RingPlan, residuals, cotangents):
+    if plan.pallas is not None:
+        return _ring_bwd_pallas(plan, residuals, cotangents)
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse = residuals
     dout, dlse = cotangents
     B, T, N, H = q.shape
@@ -226,6 +254,104 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+# ---- the ring with Pallas kernels per hop ----
+
+
+def _ring_forward_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, plan: _RingPlan):
+    """The forward ring with the Pallas kernel per hop: ``(out in q.dtype, lse float32)``.
+
+    ``table``: the ``[B, K, G]`` per-head window table or None. The block travels as
+    ``(k, v, kv_pos, kv_seg)`` in the canonical layout (the kernel pads it itself); each
+    hop's ``(out, lse)`` (``out`` in ``q.dtype``) is merged into a float32 running result.
+    """
+    B, T, N, H = q.shape
+    block = (k, v, kv_pos, kv_seg)
+
+    def compute(block, running: AttentionOutput, arriving):
+        kb, vb, kp, ks = block
+        out, lse = kernel_calls(plan.pallas)[0](q, kb, vb, q_pos, kp, q_seg, ks, table, plan.pallas)
+        return merge_attention(running.out, running.lse, out, lse), None
+
+    empty = AttentionOutput(
+        jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
+    )
+    running = cast_varying(empty, varying_axes(q, q_pos, q_seg, table, *block))
+    (out, lse), _ = _run_hops(plan, block, running, compute)
+    return out.astype(q.dtype), lse
+
+
+def _ring_bwd_pallas(plan: _RingPlan, residuals, cotangents):
+    """FlashAttention-2's ring backward with the Pallas ``dq`` and ``dk, dv`` kernels per hop.
+
+    Every hop's probabilities are ``exp(s - lse)`` with the GLOBAL ``lse``, and
+    ``delta = rowsum(dout * out) - dlse`` of the global output, so each hop's gradients are
+    its exact share. The block's float32 ``concat([dk, dv], -1)`` ``[B, S, K, 2H]`` travels
+    with it and a last shift sends it home, as in the XLA ring.
+    """
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, out, lse = residuals
+    dout, dlse = cotangents
+    B, T, N, H = q.shape
+    delta = attention_delta(out, dout, dlse)
+    block = (k, v, kv_pos, kv_seg)
+    axes = varying_axes(q, q_pos, q_seg, table, lse, dout, delta, *block)
+
+    def compute(block, dq, arriving):
+        kb, vb, kp, ks = block
+        dq_hop, dk, dv = kernel_calls(plan.pallas)[1](
+            q, kb, vb, q_pos, kp, q_seg, ks, table, lse, dout, delta, plan.pallas
+        )
+        dkv = jnp.concatenate([dk, dv], axis=-1)  # [B, S, K, 2H] float32
+        return dq + dq_hop, dkv if arriving is None else arriving + dkv
+
+    dq = cast_varying(jnp.zeros((B, T, N, H), jnp.float32), axes)
+    dq, dkv = _run_hops(plan, block, dq, compute)
+    if plan.hops:
+        dkv = _shift(dkv, plan, -plan.hops)  # block (i - hops)'s gradients go home
+    dk, dv = dkv[..., :H], dkv[..., H:]
+    ints = (None,) * 5
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
+
+
+def shard_pallas_config(
+    mask: MaskSpec, H: int, G: int, T: int, S: int, block_sizes, layout: str
+) -> PallasConfig:
+    """The :class:`ringattn._pallas.PallasConfig` of Pallas kernels run inside ``shard_map``.
+
+    ``block_sizes``: the caller's :class:`BlockSizes` or None (the Pallas defaults, see
+    :func:`ringattn._pallas.pallas_blocks`). With ``"zigzag"`` the blocks are clamped to half
+    the local lengths (compiled: rounded down to a power of two for Triton, kept as given
+    for Mosaic unless the half is whole tiles), so causal chunk pairs can be skipped. The
+    target follows the backend (:func:`ringattn._blockwise.pallas_target`: Mosaic on TPU,
+    Triton elsewhere). On CPU the kernels run in Pallas's TPU interpret mode: the
+    ``interpret=True`` HLO interpreter fails the ``check_vma`` type check on its grid loop.
+    """
+    backend = jax.default_backend()
+    interpret = backend == "cpu"
+    target = _blockwise.pallas_target(backend)
+    blocks = mosaic_blocks if target == "mosaic" else pallas_blocks
+    (bq, bk), (bq_bwd, bk_bwd) = blocks(block_sizes, G, T, S, interpret)
+    if layout == "zigzag":
+
+        def half(b: int, L: int, unit: int) -> int:
+            h = min(b, L // 2)
+            if interpret:
+                return h
+            if target == "triton":
+                return 1 << (h.bit_length() - 1)  # Triton: a power of two
+            return h if h == b or h % unit == 0 else b  # Mosaic: whole tiles, else as given
+
+        rows, lanes = 8 // math.gcd(G, 8), 128  # Mosaic: rows (block_q * G) by 8, keys by 128
+        bq, bq_bwd = half(bq, T, rows), half(bq_bwd, T, rows)
+        bk, bk_bwd = half(bk, S, lanes), half(bk_bwd, S, lanes)
+    mode = False
+    if interpret:
+        from jax.experimental.pallas import tpu as pltpu
+
+        mode = pltpu.InterpretParams()
+    return PallasConfig(
+        mask, mask.scale_for(H), bq, bk, bq_bwd, bk_bwd, interpret=mode, target=target
+    )
 
 
 def _axis_size(fn: str, seq_axis) -> int:
@@ -291,6 +417,7 @@ def ring_attention_per_shard(
     sinks: Float[Array, " N"] | None = None,
     block_sizes: BlockSizes | None = None,
     hop_format: str | None = None,
+    impl: str = "auto",
 ) -> AttentionOutput:
     """Exact attention over a sequence sharded along ``seq_axis``; call it per shard.
 
@@ -331,6 +458,14 @@ def ring_attention_per_shard(
         The result is exact attention over the dequantized K/V; gradients: ``dq`` exact for
         it, ``dk``/``dv`` straight-through (the gradients with respect to the dequantized
         K/V); the backward ring sends the same quantized K/V and float32 dK/dV.
+      impl: ``"auto"`` (the XLA kernels for now, on every backend; see
+        :func:`ringattn.blockwise_attention`), ``"xla"`` or ``"pallas"``: every hop's block
+        by the Pallas forward kernel returning the hop's ``(out, lse)`` (merged across hops
+        in float32; each hop's ``out`` is first rounded to ``q.dtype``), and the backward
+        hops by the Pallas ``dq`` and ``dk, dv`` kernels from the global ``lse``. Triton on
+        GPU, Mosaic on TPU; on CPU Pallas's TPU interpret mode (slow, for tests). Not with
+        ``hop_format``. ``block_sizes`` None takes the Pallas defaults of the backend (see
+        :func:`ringattn.blockwise_attention`).
 
     Returns:
       :class:`ringattn.AttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N]
@@ -342,7 +477,10 @@ def ring_attention_per_shard(
       ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, bad segment ids or
         positions, an unknown ``layout`` or ``hop_format``, an odd ``T`` or ``S`` with
         ``"zigzag"``, a bad window, softcap, scale, sinks or ``block_sizes``, or a
-        ``seq_axis`` that is not bound (called outside ``shard_map``).
+        ``seq_axis`` that is not bound (called outside ``shard_map``), or an unknown
+        ``impl``.
+      NotImplementedError: ``impl="pallas"`` with a ``hop_format``, on a backend other than
+        CPU, GPU and TPU, or with block sizes the compiled kernel cannot take.
 
     Example:
       >>> import functools, jax, jax.numpy as jnp
@@ -377,8 +515,10 @@ def ring_attention_per_shard(
     )
     if layout not in LAYOUTS:
         raise fail(fn, "layout", f"one of {LAYOUTS}", repr(layout))
-    block_sizes = check_block_sizes(fn, block_sizes)
+    check_block_sizes(fn, block_sizes)
     hop_format = check_hop_format(fn, hop_format)
+    impl = resolve_impl(fn, impl, jax.default_backend())
+    check_pallas_options(fn, impl, hop_format)
     if layout == "zigzag" and (T % 2 or S % 2):
         raise fail(
             fn,
@@ -405,8 +545,18 @@ def ring_attention_per_shard(
         block_sizes,
         seq_axis,
         hop_format=hop_format,
+        impl=impl,
     )
     return apply_sinks(out, lse, sinks)
+
+
+def check_pallas_options(fn: str, impl: str, hop_format: str | None) -> None:
+    """NotImplementedError for ring options the Pallas hops do not take."""
+    if impl == "pallas" and hop_format is not None:
+        raise NotImplementedError(
+            f"{fn}: hop_format={hop_format!r} (quantized ring hops) is not implemented with "
+            "impl='pallas'; use impl='xla' or hop_format=None"
+        )
 
 
 def ring_local(
@@ -425,12 +575,15 @@ def ring_local(
     *,
     hop_format: str | None = None,
     hops: int | None = None,
+    impl: str = "xla",
 ):
     """The ring on validated inputs: ``(out, lse)``; positions None take the layout default.
 
     ``windows``: ``[N]`` per-head windows of THESE query heads (traced or numpy), or None.
+    ``block_sizes``: a :class:`BlockSizes`, or None for the defaults of ``impl``.
     ``hops``: at most this many hops after the local one can reach a visible key (the caller
-    read it off concrete positions); None: what the ring derives itself.
+    read it off concrete positions); None: what the ring derives itself. ``impl``: the
+    resolved ``"xla"`` or ``"pallas"``.
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -442,13 +595,17 @@ def ring_local(
     if kv_pos is None:
         kv_pos = jnp.broadcast_to(shard_positions(layout, index, n, S), (B, S))
     table = None if windows is None else window_table(windows, B, K)
+    pallas = None
+    if impl == "pallas":
+        pallas = shard_pallas_config(spec, H, N // K, T, S, block_sizes, layout)
     plan = _RingPlan(
         seq_axis=seq_axis,
         num_shards=n,
         hops=_hops(n, T, S, spec, layout, default_pos, hops),
         mask=spec,
-        block_sizes=_layout_block_sizes(block_sizes, layout, T, S),
+        block_sizes=_layout_block_sizes(block_sizes or BlockSizes(), layout, T, S),
         hop_format=hop_format,
+        pallas=pallas,
     )
     # Everything that travels or meets travelling data must vary along the ring axis, and
     # the custom VJP's cotangents must match its inputs' types: cast all inputs to vary
@@ -472,13 +629,15 @@ def hop_bytes(
     block_sizes: BlockSizes | None = None,
     segment_ids: bool = False,
     backward: bool = False,
+    impl: str = "auto",
 ) -> int:
     """Bytes each device sends in one hop of :func:`ring_attention_per_shard`.
 
     A forward hop is one packed buffer: keys and values of the ``kv_heads`` heads (in
     ``dtype``, or quantized data plus one float32 scale per token and kv head), int32
     positions and, with ``segment_ids``, int32 segment ids, each padded to the kernel's key
-    block. A backward hop sends the same buffer and the block's float32 dK/dV accumulators
+    block (``impl="pallas"``: not padded, the block travels in the canonical layout). A
+    backward hop sends the same buffer and the block's float32 dK/dV accumulators
     (``2 * head_dim`` floats per token and kv head). With ``"int8"`` or ``"fp8"`` K/V take
     ``head_dim + 4`` bytes per token and kv head, against ``4 * head_dim`` in float32 and
     ``2 * head_dim`` in bfloat16.
@@ -494,12 +653,15 @@ def hop_bytes(
       block_sizes: the ring's :class:`ringattn.BlockSizes` (default ``BlockSizes()``).
       segment_ids: whether segment ids travel with the keys.
       backward: the backward pass's hop (block sizes ``block_sizes.backward``, plus dK/dV).
+      impl: the ring's ``impl`` (``"auto"``, ``"xla"`` or ``"pallas"``).
 
     Returns:
       Bytes per hop per device (an int).
 
     Raises:
-      ValueError: on a negative size, a bad ``hop_format``, ``layout`` or ``block_sizes``.
+      ValueError: on a negative size, a bad ``hop_format``, ``layout``, ``block_sizes`` or
+        ``impl``.
+      NotImplementedError: ``impl="pallas"`` with a ``hop_format``.
 
     Example:
       >>> hop_bytes(1, 1024, 2, 128, "float32", hop_format="int8")  # K/V + int32 positions
@@ -521,8 +683,10 @@ def hop_bytes(
     if layout not in LAYOUTS:
         raise fail(fn, "layout", f"one of {LAYOUTS}", repr(layout))
     sizes = _layout_block_sizes(check_block_sizes(fn, block_sizes), layout, S, S)
+    impl = resolve_impl(fn, impl, jax.default_backend())
+    check_pallas_options(fn, impl, hop_format)
     block_kv = (sizes.backward if backward else sizes.forward)[1]
-    Sp = round_up(S, min(block_kv, S)) if S else 0
+    Sp = round_up(S, min(block_kv, S)) if S and impl == "xla" else S
     rows = B * K * Sp
     total = 2 * rows * hop_row_bytes(H, dtype, hop_format) + B * Sp * 4 * (1 + bool(segment_ids))
     if backward:

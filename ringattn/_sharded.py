@@ -16,7 +16,9 @@ a mesh axis, builds the ``jax.shard_map`` and runs one of:
   parallelism", yunchang).
 
 All four give the result of :func:`ringattn.attention_reference` on the un-permuted global
-sequence. Local compute is :func:`ringattn.blockwise_attention` (memory-linear, custom VJP).
+sequence. Local compute is :func:`ringattn.blockwise_attention` (memory-linear, custom VJP);
+with ``impl="pallas"`` the Pallas kernels of :mod:`ringattn._pallas` (per ring hop for
+``"ring"`` and ``"usp"``, once per shard for ``"allgather"`` and ``"ulysses"``).
 Sinks join the softmax once, at the end of each shard's computation; keys no query may see
 have no effect in any strategy, even if they hold NaN or inf.
 """
@@ -31,12 +33,13 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from ringattn._blockwise import BlockSizes, empty_attention
+from ringattn._blockwise import BlockSizes, empty_attention, resolve_impl
 from ringattn._checks import FloatLike, IntLike, fail
 from ringattn._hop_format import check_hop_format
 from ringattn._layout import LAYOUTS, to_layout
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
+from ringattn._ring import check_pallas_options
 from ringattn._strategies import Plan, body, default_positions
 
 __all__ = ["STRATEGIES", "sharded_attention"]
@@ -174,6 +177,7 @@ def sharded_attention(
     sinks: Float[Array, " N"] | None = None,
     block_sizes: BlockSizes | None = None,
     hop_format: str | None = None,
+    impl: str = "auto",
 ) -> AttentionOutput:
     """Exact attention on global arrays whose sequence is sharded over a mesh axis.
 
@@ -231,6 +235,11 @@ def sharded_attention(
         ring hops carrying per-token, per-kv-head quantized K/V (see
         :func:`ringattn.ring_attention_per_shard`: the result is exact attention over the
         dequantized K/V, ``dk``/``dv`` straight-through).
+      impl: ``"auto"`` (the XLA kernels for now, on every backend), ``"xla"`` or
+        ``"pallas"``: the Pallas kernels (Triton on GPU, Mosaic on TPU; Pallas's TPU
+        interpret mode on CPU, slow) for every ring hop (``"ring"``, ``"usp"``, forward and backward) and for
+        the local attention of ``"allgather"`` and ``"ulysses"``. ``block_sizes`` None then
+        takes the Pallas defaults. Not with ``hop_format``.
 
     Returns:
       :class:`ringattn.AttentionOutput`: ``out [B, T, N, H]`` in ``q.dtype`` and layout
@@ -243,9 +252,10 @@ def sharded_attention(
         ``S`` not divisible by the number of sequence shards (by twice the layout shards for
         ``"zigzag"``); batch or heads not divisible by their axis sizes; query heads not
         divisible by the Ulysses degree; bad segment ids, positions, window, softcap, scale,
-        block sizes or ``hop_format``.
+        block sizes or ``hop_format``; an unknown ``impl``.
       NotImplementedError: a ``hop_format`` with strategy ``"allgather"`` or ``"ulysses"``
-        (no ring hops to quantize).
+        (no ring hops to quantize) or with ``impl="pallas"``; ``impl="pallas"`` on a TPU or
+        with block sizes the compiled kernel cannot take.
 
     Example:
       >>> import jax, numpy as np
@@ -284,6 +294,8 @@ def sharded_attention(
     if layout not in LAYOUTS:
         raise fail(_FN, "layout", f"one of {LAYOUTS}", repr(layout))
     hop_format = check_hop_format(_FN, hop_format)
+    impl = resolve_impl(_FN, impl, jax.default_backend())
+    check_pallas_options(_FN, impl, hop_format)
     if hop_format is not None and strategy not in ("ring", "usp"):
         raise NotImplementedError(
             f"{_FN}: hop_format: quantized hops are for strategies 'ring' and 'usp', "
@@ -352,7 +364,7 @@ def sharded_attention(
 
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise fail(_FN, "block_sizes", "a ringattn.BlockSizes or None", type(block_sizes).__name__)
-    if block_sizes is None and strategy == "allgather" and layout == "zigzag":
+    if block_sizes is None and strategy == "allgather" and layout == "zigzag" and impl == "xla":
         # The local queries are two chunks far apart: query blocks no longer than a chunk keep
         # each block's positions narrow, so causal block skipping still works.
         default = BlockSizes()
@@ -374,6 +386,7 @@ def sharded_attention(
         block_sizes=block_sizes,
         num_heads=N,
         hop_format=hop_format,
+        impl=impl,
     )
     plan = dataclasses.replace(plan, ring_hops=_ring_hops(positions, plan, B, T, S))
     qs, ks = (None, None) if seg is None else seg

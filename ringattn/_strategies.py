@@ -5,6 +5,8 @@ Each body runs inside ``jax.shard_map`` on one device's shard: ``"ring"`` (the r
 head sharding and back) and ``"usp"`` (Ulysses over one axis, ring over the other). Per-head
 windows are sliced to the query heads each device holds (heads split over ``head_axis`` and,
 for Ulysses, over the Ulysses axis, in order). Sinks join once, at the end of each body.
+With ``impl="pallas"`` the ring hops and the local attention of ``"allgather"`` and
+``"ulysses"`` run the Pallas kernels of :mod:`ringattn._pallas`.
 """
 
 import dataclasses
@@ -14,11 +16,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ringattn._blocks import window_table
 from ringattn._blockwise import BlockSizes, head_windows, local_attention
 from ringattn._layout import from_layout, to_layout
 from ringattn._online_softmax import apply_sinks
 from ringattn._options import MaskSpec, arange_positions
-from ringattn._ring import ring_local
+from ringattn._pallas import pallas_attention
+from ringattn._ring import ring_local, shard_pallas_config
+from ringattn._varying import cast_varying, varying_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Plan:
     num_heads: int  # global query heads N (per-head windows are sliced per device)
     hop_format: str | None = None  # "ring" / "usp": quantized K/V hops ("int8", "fp8")
     ring_hops: int | None = None  # "ring" / "usp": hops that can reach a visible key (None: all)
+    impl: str = "xla"  # the resolved kernels: "xla" or "pallas"
 
     @property
     def seq_spec(self):
@@ -74,13 +80,20 @@ def _windows(plan: Plan, start, count: int):
     return lax.dynamic_slice_in_dim(every, start, count)
 
 
-def _attend_local(q, k, v, qs, ks, qp, kp, windows, plan: Plan):
+def _attend_local(q, k, v, qs, ks, qp, kp, windows, plan: Plan, layout: str = "contiguous"):
+    """Local attention; ``layout``: the order of the local queries (Pallas block clamping)."""
+    if plan.impl == "pallas":
+        (B, T, N, H), (S, K) = q.shape, k.shape[1:3]
+        cfg = shard_pallas_config(plan.mask, H, N // K, T, S, plan.block_sizes, layout)
+        table = None if windows is None else window_table(windows, B, K)
+        # The custom VJP's cotangents vary like the kernels' outputs: cast the inputs alike.
+        args = (q, k, v, qp, kp, qs, ks, table)
+        return pallas_attention(*cast_varying(args, varying_axes(*args)), cfg)
     sizes = plan.block_sizes or BlockSizes()
     return local_attention(q, k, v, qp, kp, qs, ks, windows, plan.mask, sizes)
 
 
 def _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan: Plan):
-    sizes = plan.block_sizes or BlockSizes()
     return ring_local(
         q,
         k,
@@ -92,10 +105,11 @@ def _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan: Plan):
         windows,
         plan.mask,
         plan.layout,
-        sizes,
+        plan.block_sizes,
         plan.seq_axis,
         hop_format=plan.hop_format,
         hops=plan.ring_hops,
+        impl=plan.impl,
     )
 
 
@@ -107,7 +121,7 @@ def _allgather_body(q, k, v, qs, ks, qp, kp, head_start, plan: Plan):
     a = plan.seq_axis
     k, v, ks, kp = (_natural(_gather(x, a), plan) for x in (k, v, ks, kp))
     windows = _windows(plan, head_start, q.shape[2])
-    return _attend_local(q, k, v, qs, ks, qp, kp, windows, plan)
+    return _attend_local(q, k, v, qs, ks, qp, kp, windows, plan, plan.layout)
 
 
 def _ulysses_body(q, k, v, qs, ks, qp, kp, head_start, plan: Plan):

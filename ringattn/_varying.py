@@ -11,7 +11,7 @@ from JAX's abstract values.
 import jax
 from jax import lax
 
-__all__ = ["cast_varying", "match_varying", "varying_axes"]
+__all__ = ["cast_varying", "match_varying", "varying_axes", "varying_struct"]
 
 
 def _axes_of(x) -> frozenset:
@@ -24,7 +24,22 @@ def _axes_of(x) -> frozenset:
 
 
 def varying_axes(*xs) -> frozenset:
-    """Manual mesh axes along which any array of the pytrees ``xs`` varies (``None`` ok)."""
+    """Manual mesh axes along which any array of the pytrees ``xs`` varies (``None`` ok).
+
+    Inside ``jax.shard_map(check_vma=True)`` an array sharded over a mesh axis varies along
+    it, a replicated one does not; outside ``shard_map`` the result is empty.
+
+    Args:
+      *xs: arrays or pytrees of arrays (``None`` leaves are skipped).
+
+    Returns:
+      ``frozenset`` of axis names.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> varying_axes(jnp.ones(2), None)  # outside shard_map
+      frozenset()
+    """
     axes = frozenset()
     for leaf in jax.tree.leaves(xs):
         axes |= _axes_of(leaf)
@@ -60,3 +75,27 @@ def match_varying(*xs):
     """
     axes = varying_axes(*xs)
     return tuple(cast_varying(x, axes) for x in xs)
+
+
+def varying_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
+    """A ``jax.ShapeDtypeStruct`` that varies along the manual axes of the arrays ``like``.
+
+    ``pallas_call`` inside ``jax.shard_map(check_vma=True)`` needs its ``out_shape`` to say
+    how each output varies; a kernel's outputs vary along every axis one of its operands
+    does. Outside ``shard_map`` the struct carries no axes (and ``pallas_call`` ignores them).
+
+    Args:
+      shape: the output's shape (a tuple of ints).
+      dtype: its dtype.
+      *like: arrays or pytrees whose varying axes the output takes (their union).
+
+    Returns:
+      ``jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=...)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> varying_struct((4, 8), jnp.float32, jnp.ones(3)).shape
+      (4, 8)
+    """
+    mat = jax.sharding.ManualAxisType(varying=varying_axes(*like))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)

@@ -278,3 +278,29 @@ def test_vmap_over_queries():
     for i, x in enumerate(stacked):
         ref = paged_attention_reference(x, k_pages, v_pages, table, lengths, softcap=4.0)
         assert_close(out[i], ref.out, dtype=jnp.float32, what=f"vmap {i}")
+
+
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
+def test_inside_a_users_shard_map_with_check_vma(variant):
+    # The kernel per shard of the user's own shard_map(check_vma=True): the batch (queries,
+    # table, lengths) split over 2 devices, the pools replicated. Every operand is cast to
+    # vary like the outputs; on CPU the GPU-style kernel runs in TPU interpret mode there.
+    from jax.sharding import PartitionSpec as P
+
+    from tests._util import make_test_mesh
+
+    q, k_pages, v_pages, table, lengths = inputs(3, T=2)
+    q, table, lengths = q[:4], jnp.asarray(table[:4]), jnp.asarray(lengths[:4])
+    mesh = make_test_mesh((2,), ("data",))
+
+    def body(q, table, lengths):
+        return run_kernel(variant, q, k_pages, v_pages, table, lengths, window=5)
+
+    spec = (P("data"), P("data"), P("data"))
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(P("data"),) * 2, check_vma=True)
+    out, lse = jax.jit(f)(q, table, lengths)
+    ref = paged_attention_reference(q, k_pages, v_pages, table, lengths, window=5)
+    assert_close(out, ref.out, dtype=jnp.float32, what="out")
+    finite = np.isfinite(np.asarray(ref.lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    assert_close(jnp.where(finite, lse, 0), jnp.where(finite, ref.lse, 0), dtype=jnp.float32)

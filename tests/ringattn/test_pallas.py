@@ -311,3 +311,51 @@ def test_empty_inputs():
     q, k, v = attention_inputs(1, 4, 0, 2, 1, 8, jnp.float32)
     out, lse = blockwise_attention(q, k, v, impl="pallas")
     assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+@pytest.mark.parametrize(
+    "axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit], ids=str
+)
+def test_inside_a_users_shard_map_with_check_vma(axis_type):
+    # blockwise_attention(impl="pallas") called per shard in the user's own shard_map
+    # (check_vma=True), batch split over 2 devices, segments and a window as given per shard:
+    # operands are cast to vary together and, on CPU, the kernels run in TPU interpret mode
+    # (the HLO interpreter fails the vma check). Forward and gradients against the reference.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tests._util import make_test_mesh
+
+    mesh = make_test_mesh((2,), ("data",), axis_type=axis_type)
+    q, k, v = attention_inputs(2, 8, 8, 4, 2, 8, jnp.float32, seed=4)
+    seg = segments_from_cuts(2, 8, (5,))
+    kw = dict(causal=True, window=4)
+
+    def body(q, k, v, seg):
+        ids = SegmentIds(seg, seg)
+        return tuple(blockwise_attention(q, k, v, segment_ids=ids, impl="pallas", **kw))
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=True)
+    if axis_type == jax.sharding.AxisType.Explicit:
+        q, k, v, seg = (
+            jax.sharding.reshard(x, NamedSharding(mesh, P("data"))) for x in (q, k, v, seg)
+        )
+
+    def loss(fn, q, k, v):
+        out, lse = fn(q, k, v)
+        return jnp.sum(out * jnp.cos(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    ref = lambda q, k, v: attention_reference(q, k, v, segment_ids=SegmentIds(seg, seg), **kw)
+    fast = lambda q, k, v: f(q, k, v, seg)
+    got = jax.jit(
+        lambda q, k, v: (fast(q, k, v), jax.grad(functools.partial(loss, fast), (0, 1, 2))(q, k, v))
+    )
+    want = jax.jit(
+        lambda q, k, v: (ref(q, k, v), jax.grad(functools.partial(loss, ref), (0, 1, 2))(q, k, v))
+    )
+    (out, lse), grads = got(q, k, v)
+    (want_out, want_lse), want_grads = want(q, k, v)
+    assert_close(out, want_out, dtype=jnp.float32, what="out")
+    assert_close(lse, want_lse, dtype=jnp.float32, what="lse")
+    for g, w in zip(grads, want_grads, strict=True):
+        assert_close(g, w, dtype=jnp.float32, grad=True)
