@@ -170,7 +170,25 @@ def resolve_impl(fn: str, impl, backend: str) -> str:
     ``"auto"`` is Pallas on :data:`AUTO_PALLAS_BACKENDS` (none yet) and XLA elsewhere.
     ``"pallas"`` runs the Triton kernels on GPU, the Mosaic kernels on TPU and the Triton
     kernels in interpret mode on CPU; on any other backend it raises NotImplementedError.
+
+    Args:
+      fn: the caller's name, for error messages.
+      impl: ``"auto"``, ``"xla"`` or ``"pallas"``.
+      backend: ``"cpu"``, ``"gpu"``, ``"tpu"``, ...
+
+    Returns:
+      ``"xla"`` or ``"pallas"``.
+
+    Raises:
+      ValueError: an unknown ``impl``.
+      NotImplementedError: ``"pallas"`` on a backend with no kernels.
+
+    Example:
+      >>> resolve_impl("my_fn", "auto", "cpu"), resolve_impl("my_fn", "pallas", "gpu")
+      ('xla', 'pallas')
     """
+    if not isinstance(fn, str) or not isinstance(backend, str):
+        raise ValueError(f"resolve_impl: fn and backend must be str, got {fn!r}, {backend!r}")
     if not isinstance(impl, str) or impl not in IMPLS:
         raise fail(fn, "impl", "one of 'auto', 'xla', 'pallas'", describe(impl))
     if impl == "auto":

@@ -494,7 +494,12 @@ def test_ring_pallas_nan_in_hidden_keys_reaches_nothing():
 def mosaic(monkeypatch):
     import ringattn._blockwise as blockwise_module
 
+    # Traces cached by jit (keyed by static options, not by this switch) would keep the
+    # kernels of an earlier test: start and end with empty caches.
+    jax.clear_caches()
     monkeypatch.setattr(blockwise_module, "pallas_target", lambda backend: "mosaic")
+    yield
+    jax.clear_caches()
 
 
 def _mosaic_kernels(attend, q, k, v):

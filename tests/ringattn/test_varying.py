@@ -32,3 +32,25 @@ def test_replicated_meets_sharded_and_gradient_sums():
     assert out.tolist() == (3.0 * jnp.arange(8.0)).tolist()
     grad = jax.jit(jax.grad(lambda r: jnp.sum(f(shard, r))))(replicated)
     assert grad.tolist() == [0.0 + 2 + 4 + 6, 1.0 + 3 + 5 + 7]
+
+
+def test_public_varying_axes_and_struct_inside_and_outside_shard_map():
+    import ringattn
+
+    assert ringattn.varying_axes(jnp.ones(2), None) == frozenset()
+    outside = ringattn.varying_struct((3, 2), jnp.bfloat16, jnp.ones(2))
+    assert (outside.shape, outside.dtype) == ((3, 2), jnp.bfloat16)
+    assert not outside.manual_axis_type.varying
+    mesh = make_test_mesh((2, 2), ("a", "b"))
+    seen = []
+
+    def body(x, y):
+        seen.append(
+            (ringattn.varying_axes(x), ringattn.varying_axes(y), ringattn.varying_axes(x, y))
+        )
+        seen.append(ringattn.varying_struct((1,), jnp.float32, y, x).manual_axis_type.varying)
+        return x
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("a"), P()), out_specs=P("a"), check_vma=True)
+    jax.jit(f)(jnp.ones(4), jnp.ones(4))
+    assert seen == [({"a"}, set(), {"a"}), {"a"}]
