@@ -306,28 +306,11 @@ def paged_attention(
     variant, interpret = pallas_variant(
         fn, impl, jax.default_backend(), k_pages, bool(return_page_mass)
     )
+    args = (q, k_pages, v_pages, jnp.asarray(page_table), jnp.asarray(lengths), q_positions, sinks)
     if variant != "xla":
         cfg = decode_config(fn, opts, C, H, variant, interpret)
-        return _paged_attention_pallas(
-            q,
-            k_pages,
-            v_pages,
-            jnp.asarray(page_table),
-            jnp.asarray(lengths),
-            q_positions,
-            sinks,
-            cfg=cfg,
-        )
-    return _paged_attention_impl(
-        q,
-        k_pages,
-        v_pages,
-        jnp.asarray(page_table),
-        jnp.asarray(lengths),
-        q_positions,
-        sinks,
-        opts=opts,
-    )
+        return _paged_attention_pallas(*args, cfg=cfg)
+    return _paged_attention_impl(*args, opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "queries_per_block"))

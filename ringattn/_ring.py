@@ -47,13 +47,13 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from ringattn import _blockwise
 from ringattn._blocks import round_up, window_table
 from ringattn._blockwise import (
     BlockSizes,
     check_block_sizes,
     empty_attention,
     head_windows,
+    make_pallas_config,
     resolve_impl,
 )
 from ringattn._checks import FloatLike, IntLike, check_int, fail
@@ -78,8 +78,7 @@ from ringattn._online_softmax import (
     merge_attention,
 )
 from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
-from ringattn._pallas import PallasConfig, kernel_calls, pallas_blocks
-from ringattn._pallas_tpu import mosaic_blocks
+from ringattn._pallas import PallasConfig, kernel_calls
 from ringattn._varying import cast_varying, varying_axes
 
 __all__ = ["hop_bytes", "ring_attention_per_shard"]
@@ -326,32 +325,31 @@ def shard_pallas_config(
     Triton elsewhere). On CPU the kernels run in Pallas's TPU interpret mode: the
     ``interpret=True`` HLO interpreter fails the ``check_vma`` type check on its grid loop.
     """
-    backend = jax.default_backend()
-    interpret = backend == "cpu"
-    target = _blockwise.pallas_target(backend)
-    blocks = mosaic_blocks if target == "mosaic" else pallas_blocks
-    (bq, bk), (bq_bwd, bk_bwd) = blocks(block_sizes, G, T, S, interpret)
+    cfg = make_pallas_config(mask, block_sizes, G, T, S, H, jax.default_backend())
+    interpret = cfg.interpret
     if layout == "zigzag":
 
         def half(b: int, L: int, unit: int) -> int:
             h = min(b, L // 2)
             if interpret:
                 return h
-            if target == "triton":
+            if cfg.target == "triton":
                 return 1 << (h.bit_length() - 1)  # Triton: a power of two
             return h if h == b or h % unit == 0 else b  # Mosaic: whole tiles, else as given
 
         rows, lanes = 8 // math.gcd(G, 8), 128  # Mosaic: rows (block_q * G) by 8, keys by 128
-        bq, bq_bwd = half(bq, T, rows), half(bq_bwd, T, rows)
-        bk, bk_bwd = half(bk, S, lanes), half(bk_bwd, S, lanes)
-    mode = False
+        cfg = dataclasses.replace(
+            cfg,
+            block_q=half(cfg.block_q, T, rows),
+            block_q_bwd=half(cfg.block_q_bwd, T, rows),
+            block_kv=half(cfg.block_kv, S, lanes),
+            block_kv_bwd=half(cfg.block_kv_bwd, S, lanes),
+        )
     if interpret:
         from jax.experimental.pallas import tpu as pltpu
 
-        mode = pltpu.InterpretParams()
-    return PallasConfig(
-        mask, mask.scale_for(H), bq, bk, bq_bwd, bk_bwd, interpret=mode, target=target
-    )
+        cfg = dataclasses.replace(cfg, interpret=pltpu.InterpretParams())
+    return cfg
 
 
 def _axis_size(fn: str, seq_axis) -> int:

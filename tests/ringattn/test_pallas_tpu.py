@@ -41,6 +41,7 @@ test_forward_and_gradients_match_reference = triton_tests.test_forward_and_gradi
 test_nan_in_unreachable_keys_reaches_nothing = (
     triton_tests.test_nan_in_unreachable_keys_reaches_nothing
 )
+test_vmap_over_a_leading_axis_and_sinks = triton_tests.test_vmap_over_a_leading_axis_and_sinks
 
 
 @pytest.fixture(autouse=True)
@@ -197,30 +198,6 @@ def test_fully_masked_rows_give_zeros_minus_inf_and_finite_gradients():
     grads = jax.grad(functools.partial(_loss, fast, kw=kw), argnums=(0, 1, 2))(q, k, v)
     ref = functools.partial(_loss, attention_reference, kw=kw)
     want_grads = jax.grad(ref, argnums=(0, 1, 2))(q, k, v)
-    for g, w in zip(grads, want_grads, strict=True):
-        assert_close(g, w, dtype=jnp.float32, grad=True)
-
-
-@pytest.mark.slow
-def test_vmap_over_a_leading_axis():
-    q, k, v = attention_inputs(3, 9, 9, 4, 2, 8, jnp.float32)  # the leading axis is vmapped
-    kw = dict(causal=True, window=4)
-
-    def one(q, k, v, fn, **extra):
-        return fn(q[None], k[None], v[None], **kw, **extra)
-
-    fast = functools.partial(one, fn=blockwise_attention, block_sizes=BLOCKS, impl="pallas")
-    ref = functools.partial(one, fn=attention_reference)
-    out, lse = jax.jit(jax.vmap(fast))(q, k, v)
-    want, want_lse = jax.vmap(ref)(q, k, v)
-    assert_close(out, want, dtype=jnp.float32)
-    assert_close(lse, want_lse, dtype=jnp.float32)
-
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(jax.vmap(fn)(q, k, v).out * jnp.cos(jnp.arange(8)))
-
-    grads = jax.grad(loss(fast), argnums=(0, 1, 2))(q, k, v)
-    want_grads = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(grads, want_grads, strict=True):
         assert_close(g, w, dtype=jnp.float32, grad=True)
 
