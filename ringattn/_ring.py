@@ -461,8 +461,8 @@ def ring_attention_per_shard(
         by the Pallas forward kernel returning the hop's ``(out, lse)`` (merged across hops
         in float32; each hop's ``out`` is first rounded to ``q.dtype``), and the backward
         hops by the Pallas ``dq`` and ``dk, dv`` kernels from the global ``lse``. Triton on
-        GPU, Mosaic on TPU; on CPU Pallas's TPU interpret mode (slow, for tests). Not with
-        ``hop_format``. ``block_sizes`` None takes the Pallas defaults of the backend (see
+        GPU, Mosaic on TPU; on CPU Pallas's TPU interpret mode (slow, for tests; its
+        callbacks are effects, so not under ``jax.checkpoint``). Not with ``hop_format``. ``block_sizes`` None takes the Pallas defaults of the backend (see
         :func:`ringattn.blockwise_attention`).
 
     Returns:

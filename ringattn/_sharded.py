@@ -237,7 +237,7 @@ def sharded_attention(
         dequantized K/V, ``dk``/``dv`` straight-through).
       impl: ``"auto"`` (the XLA kernels for now, on every backend), ``"xla"`` or
         ``"pallas"``: the Pallas kernels (Triton on GPU, Mosaic on TPU; Pallas's TPU
-        interpret mode on CPU, slow) for every ring hop (``"ring"``, ``"usp"``, forward and backward) and for
+        interpret mode on CPU, slow, not under ``jax.checkpoint``) for every ring hop (``"ring"``, ``"usp"``, forward and backward) and for
         the local attention of ``"allgather"`` and ``"ulysses"``. ``block_sizes`` None then
         takes the Pallas defaults. Not with ``hop_format``.
 

@@ -304,6 +304,26 @@ def test_vmap_over_a_leading_axis_and_sinks():
 
 
 @pytest.mark.slow
+def test_under_checkpoint_forward_and_gradients():
+    # jax.checkpoint (remat) around the kernels: the backward recomputes the forward kernel
+    # from the saved inputs. (The TPU interpret mode is not remat-able: its callbacks are
+    # effects, which checkpoint refuses; see the README's accelerator section.)
+    q, k, v = attention_inputs(2, 10, 13, 4, 2, 8, jnp.float32, seed=7)
+    kw = dict(causal=True, positions=Positions(jnp.broadcast_to(jnp.arange(3, 13), (2, 10)), None))
+    fast = functools.partial(blockwise_attention, block_sizes=BLOCKS, impl="pallas", **kw)
+    ref = functools.partial(attention_reference, **kw)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v).out)) + jnp.sum(fn(q, k, v).lse)
+
+    got = jax.jit(jax.value_and_grad(loss(jax.checkpoint(fast)), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    assert_close(got[0], want[0], dtype=jnp.float32, what="loss")
+    for name, g, w in zip("qkv", got[1], want[1], strict=True):
+        assert_close(g, w, dtype=jnp.float32, grad=True, what=f"d{name}")
+
+
+@pytest.mark.slow
 def test_empty_inputs():
     q, k, v = attention_inputs(1, 0, 5, 2, 1, 8, jnp.float32)
     out, lse = blockwise_attention(q, k, v, impl="pallas")
