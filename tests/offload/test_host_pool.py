@@ -219,6 +219,48 @@ def test_kernels_carry_enough_flops_to_dispatch_asynchronously(size):
         assert program.cost_analysis()["flops"] >= 1000
 
 
+def test_concurrent_callers_of_page_out_and_page_in_each_get_their_own_pages():
+    # Each leaf's copy is dispatched (and waited for) by a shared pool of worker threads on
+    # CPU: several user threads moving pages at once, each a round trip of its own pools
+    # (more calls in flight than workers), all exact.
+    import concurrent.futures
+
+    def round_trip(seed):
+        k, v = _pools(seed=seed)
+        host = make_host_page_pool(k, v, 6)
+        rng = np.random.default_rng(seed)
+        ids = rng.choice(np.arange(1, PAGES), size=5, replace=False)
+        slots = rng.choice(6, size=5, replace=False)
+        host = wait(page_out(k, v, ids, host, slots))
+        zeros = jnp.zeros_like(k), jnp.zeros_like(v)
+        back_k, back_v = wait(page_in(host, slots, *zeros, ids[::-1]))
+        for got, pool in ((host.k_pages, k), (host.v_pages, v)):
+            np.testing.assert_array_equal(np.asarray(got)[:, :, slots], np.asarray(pool)[:, :, ids])
+        for got, pool in ((back_k, k), (back_v, v)):
+            np.testing.assert_array_equal(
+                np.asarray(got)[:, :, ids[::-1]], np.asarray(pool)[:, :, ids]
+            )
+        return seed
+
+    with concurrent.futures.ThreadPoolExecutor(6) as users:
+        assert sorted(users.map(round_trip, range(12))) == list(range(12))
+
+
+def test_a_copy_that_fails_to_dispatch_raises_in_the_caller():
+    from offload import _page_copy
+
+    def boom():
+        raise RuntimeError("dispatch failed")
+
+    def fine():
+        return jnp.ones(2), jnp.zeros(())
+
+    with pytest.raises(RuntimeError, match="dispatch failed"):
+        _page_copy._dispatch_side_by_side([fine, boom])
+    arrays = _page_copy._dispatch_side_by_side([fine, fine])  # the workers are still usable
+    assert [a.shape for a, _ in arrays] == [(2,), (2,)]
+
+
 @pytest.mark.no_typecheck
 def test_errors():
     k, v = _pools()
