@@ -45,7 +45,8 @@ def _copy_loop(pinned):
 
 
 def measure(total: int, page_bytes: int, repeats: int) -> tuple[dict, dict]:
-    """Wall-clock timings and median process CPU seconds of every method, interleaved."""
+    """Wall-clock timings and median process CPU seconds of every method, interleaved; every
+    method's copy is checked against the source afterwards."""
     from offload import make_host_page_pool, page_out, wait
 
     C, H = 4096, page_bytes // (4096 * 4)
@@ -124,6 +125,14 @@ def measure(total: int, page_bytes: int, repeats: int) -> tuple[dict, dict]:
         {name: with_cpu(name, fn) for name, fn in methods.items()}, repeats=repeats
     )
     pool.shutdown()
+    # Every arrangement copied the same pages: k's pages 1..n (v's too) now in slots 0..n-1.
+    want_k, want_v = np.asarray(k)[:, :, 1:], np.asarray(v)[:, :, 1:]
+    for name, (tk, tv) in targets.items():
+        np.testing.assert_array_equal(np.asarray(tk), want_k, err_msg=name)
+        if name != "leaf":
+            np.testing.assert_array_equal(np.asarray(tv), want_v, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(host["pool"].v_pages), want_v)
+    np.testing.assert_array_equal(b, a + 0)
     return timings, {name: float(np.median(ts[-repeats:])) for name, ts in cpu.items()}
 
 

@@ -25,6 +25,7 @@ SCRIPTS = (
     "bench_paged",
     "bench_policies",
     "bench_offload",
+    "bench_host_copy",
     "bench_ring",
     "bench_ring_quant",
     "bench_train",

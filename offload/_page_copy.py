@@ -10,6 +10,11 @@ XLA:CPU runs programs of under 1000 flops inline on the caller's thread; each ke
 a tiny flop-counted marker output so that copies dispatch asynchronously there too, and
 handles poll the markers, which are never donated.
 
+On CPU the leaves' copies (keys and values, data and scales) are dispatched by a shared pool
+of worker threads, each waiting for its own copy, so they run side by side (see
+``_dispatch_side_by_side``); a call still returns once the copies are dispatched, unless all
+8 workers are waiting on earlier copies.
+
 Compiles: a list of ``n`` ids runs in one call, padded to the next power of two (the loop
 reads the first ``n``), so each kernel compiles at most ``log2(P) + 1`` times per pool shape.
 

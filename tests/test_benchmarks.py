@@ -25,6 +25,7 @@ from benchmarks import (
     bench_blockwise,
     bench_decode,
     bench_gaps,
+    bench_host_copy,
     bench_kvquant,
     bench_quality,
     bench_ring_quant,
@@ -408,3 +409,10 @@ def test_bench_accel_tpu_section_peaks_and_baseline_lowers_for_tpu():
     w = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.float32)
     exported = export.export(bwd, platforms=("tpu",))(x, x, x, w)
     assert exported.mlir_module().count("@tpu_custom_call(") >= 2
+
+
+def test_bench_host_copy_times_every_arrangement_of_the_same_copy():
+    # measure() checks every arrangement's copy against the source pages before returning.
+    timings, cpu = bench_host_copy.measure(2 * 1024 * 1024, 256 * 1024, repeats=1)
+    assert set(timings) == set(cpu) and len(timings) == 8
+    assert all(t.best > 0 for t in timings.values()) and all(c >= 0 for c in cpu.values())
