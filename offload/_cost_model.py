@@ -55,15 +55,17 @@ __all__ = [
 
 # --- Constants, each from a file in benchmarks/results/ ------------------------------------
 
-#: gaps.md: "blockwise forward efficiency (T=S=16K)": 73% of the same run's matmul FLOP/s.
+#: gaps_2026-12-01.md (run A): "blockwise forward efficiency (T=S=16K)": 73% of the same run's matmul FLOP/s.
 BLOCKWISE_FORWARD_EFFICIENCY = 0.73
-#: gaps.md: the same-run matmul on this machine's 2 CPU cores, 129.3 GFLOP/s.
+#: gaps_2026-12-01.md: the same-run matmul on this machine's 2 CPU cores, 129.3 GFLOP/s.
 CPU_MATMUL_FLOPS = 129.3e9
-#: offload.md (a): memcpy of 256 MiB in 16 MiB pages, median 5.48 GiB/s.
+#: offload_2026-12-01.md (a): memcpy of 256 MiB in 16 MiB pages, median 5.48 GiB/s.
 CPU_MEMCPY_BYTES_PER_S = 5.48 * 2**30
 #: paged.md: paged_attention decode is 1.70x the KV-bytes / memcpy bandwidth limit.
 PAGED_DECODE_VS_BANDWIDTH = 1.70
-#: offload.md (a): page_in reaches 0.56x of the same-run memcpy (median).
+#: offload_2026-12-01.md (a): page_in reaches 0.56x of the same-run memcpy (median). Stale since
+#: the key and value copies run side by side (offload.md: 1.13x); kept, as the planner's
+#: other constants come from the same runs.
 PAGE_IN_VS_MEMCPY = 0.56
 #: ring.md: non-causal zigzag ring forward on 8 CPU devices, K=2, N=8, H=64, float32 (ms).
 RING_ZIGZAG_FORWARD_MS = {2048: 99.0, 4096: 354.0}

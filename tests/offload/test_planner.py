@@ -438,9 +438,9 @@ def test_measured_numbers_appear_in_their_results_files():
         path = RESULTS / where.split(" ")[0].rstrip(",")
         text = path.read_text()
         assert any(s in text for s in _percent(value)), (name, where, value)
-    gaps = (RESULTS / "gaps.md").read_text()
+    gaps = (RESULTS / "gaps_2026-12-01.md").read_text()
     assert "| 73% |" in gaps and "matmul 129.3 GFLOP/s" in gaps
-    offload_md = (RESULTS / "offload.md").read_text()
+    offload_md = (RESULTS / "offload_2026-12-01.md").read_text()
     assert "| 5.48 |" in offload_md and "| 0.56x |" in offload_md
     assert "| 1.70x |" in (RESULTS / "paged.md").read_text()
     ring = (RESULTS / "ring.md").read_text()
