@@ -158,7 +158,8 @@ def main(argv=None):
         "",
         "Reading it: a CPU / wall near 1 is one busy thread, near 2 both cores. The one-leaf row "
         "moves half the bytes (compare it with half the memcpy time). `offload.page_out` "
-        "runs the two-programs arrangement (plus its id checks).",
+        "dispatches each leaf from a worker thread that waits for it on CPU (the two-threads "
+        "arrangement, plus its id checks).",
     ]
     run.write("Host page copies on CPU", lines)
 
