@@ -201,7 +201,7 @@ def measure_paged(sizes: Sizes) -> dict:
         r = bench_paged.bench_main(
             sizes.decode_batch, S, N, K, H, C, sizes.decode_repeats, sizes.decode_sweep
         )
-        keep = {key: r[key] for key in ("contiguous", "paged", "best", "err", "limit")}
+        keep = {key: r[key] for key in ("contiguous", "paged", "gathers", "best", "err", "limit")}
         out["by_length"][str(S)] = keep
         print(f"paged S={S}: {keep}", flush=True)
     return out
@@ -320,7 +320,10 @@ def gap_rows(results: dict, sizes: Sizes) -> list[tuple[str, float, str, bool, s
     rows.append((
         f"paged decode / contiguous heads-major decode (B={sizes.decode_batch} x {_k(S)}, "
         f"page {sizes.paged_shape[3]})",
-        r, "<= 1.10x", r <= 1.10, f"pages_per_block={p['best']}",
+        r, "<= 1.10x", r <= 1.10, f"pages_per_block={p['best']}" + (
+            f"; the walk's gathers alone: {p['gathers'] / p['contiguous']:.2f}x"
+            if "gathers" in p else ""
+        ),
     ))  # fmt: skip
     off = results["offload"]
     for op, label in (("page_out", "page-out"), ("page_in", "page-in")):

@@ -11,6 +11,10 @@ heads, K = 8 kv heads, H = 128, page size 16, float32 (2 GiB of KV):
 * ``jax ref``: ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``'s
   ``ref_ragged_paged_attention`` (token-major ``[P, C, 2K, H]`` pages; jitted with its
   metadata closed over as constants) at a smaller size, compared with ``paged`` at that size;
+* ``gathers only``: the page walk with its attention math removed: the same per-sequence loop
+  over blocks of ``pages_per_block`` pages (the tuned value) that only gathers each block's
+  keys and values and sums them. It is the floor of any XLA page walk of this shape on this
+  backend (the gathers already run on both cores: process CPU time / wall time 1.8-1.9);
 * ``bandwidth limit``: KV bytes / the rate of a same-run ``np.copyto`` of a large array into a
   preallocated buffer.
 
@@ -72,6 +76,27 @@ def make_memcpy(nbytes):
     return lambda: np.copyto(dst, src)
 
 
+def gathers_only(k_pages, v_pages, table, pages_per_block):
+    """A zero-argument walk over ``table``'s pages that gathers each block of keys and values
+    and sums it, with no attention math (the gather floor of :func:`paged.paged_attention`)."""
+    B, M = table.shape
+    blocks = -(-M // pages_per_block)
+    table = jnp.pad(table, ((0, 0), (0, blocks * pages_per_block - M)))  # page 0 holds zeros
+
+    @jax.jit
+    def walk(k_pages, v_pages, table):
+        def step(i, total):
+            row = jnp.take(table, i // blocks, axis=0)
+            ids = jax.lax.dynamic_slice_in_dim(row, (i % blocks) * pages_per_block, pages_per_block)
+            kb = jnp.take(k_pages, ids, axis=1)
+            vb = jnp.take(v_pages, ids, axis=1)
+            return total + jnp.sum(kb) + jnp.sum(vb)
+
+        return jax.lax.fori_loop(0, B * blocks, step, jnp.float32(0))
+
+    return lambda: walk(k_pages, v_pages, table)
+
+
 def bench_main(B, S, N, K, H, C, reps, sweep):
     q, k, v, k_pages, v_pages, table, lengths = make_data(B, S, N, K, H, C)
     kv_bytes = k.nbytes + v.nbytes
@@ -91,13 +116,18 @@ def bench_main(B, S, N, K, H, C, reps, sweep):
         {
             "contiguous": lambda: contiguous_decode(q, k, v),
             "paged": paged_fn(best),
+            "gathers": gathers_only(k_pages, v_pages, table, best),
             "memcpy": make_memcpy(copy_bytes),
         },
         reps,
     )
     err = float(jnp.max(jnp.abs(paged_fn(best)() - contiguous_decode(q, k, v))))
     rate = copy_bytes / result["memcpy"]
+    gathered = float(gathers_only(k_pages, v_pages, table, best)())
+    if not np.isclose(gathered, float(k.sum() + v.sum()), rtol=1e-3):
+        raise AssertionError(f"gathers-only walk summed {gathered}, the KV sums to another value")
     return dict(
+        gathers=result["gathers"],
         contiguous=result["contiguous"],
         paged=result["paged"],
         best=best,
@@ -155,6 +185,9 @@ def main(argv=None):
         f"{r['contiguous'] / r['limit']:.2f}x |",
         f"| paged_attention (pages_per_block={r['best']}) | {ms(r['paged'])} | "
         f"{r['paged'] / r['contiguous']:.2f}x | {r['paged'] / r['limit']:.2f}x |",
+        f"| the walk's gathers only, no attention math (pages_per_block={r['best']}) | "
+        f"{ms(r['gathers'])} | {r['gathers'] / r['contiguous']:.2f}x | "
+        f"{r['gathers'] / r['limit']:.2f}x |",
         f"| bandwidth limit (KV bytes / memcpy {r['rate'] / GiB:.1f} GiB/s) | {ms(r['limit'])} "
         f"| {r['limit'] / r['contiguous']:.2f}x | 1.00x |",
         "",

@@ -61,7 +61,7 @@ BLOCKWISE_FORWARD_EFFICIENCY = 0.73
 CPU_MATMUL_FLOPS = 129.3e9
 #: offload_2026-12-01.md (a): memcpy of 256 MiB in 16 MiB pages, median 5.48 GiB/s.
 CPU_MEMCPY_BYTES_PER_S = 5.48 * 2**30
-#: paged.md: paged_attention decode is 1.70x the KV-bytes / memcpy bandwidth limit.
+#: paged_2026-11-29.md: paged_attention decode is 1.70x the KV-bytes / memcpy bandwidth limit.
 PAGED_DECODE_VS_BANDWIDTH = 1.70
 #: offload_2026-12-01.md (a): page_in reaches 0.56x of the same-run memcpy (median). Stale since
 #: the key and value copies run side by side (offload.md: 1.13x); kept, as the planner's

@@ -27,6 +27,7 @@ from benchmarks import (
     bench_gaps,
     bench_host_copy,
     bench_kvquant,
+    bench_paged,
     bench_quality,
     bench_ring_quant,
     bench_train,
@@ -416,3 +417,17 @@ def test_bench_host_copy_times_every_arrangement_of_the_same_copy():
     timings, cpu = bench_host_copy.measure(2 * 1024 * 1024, 256 * 1024, repeats=1)
     assert set(timings) == set(cpu) and len(timings) == 8
     assert all(t.best > 0 for t in timings.values()) and all(c >= 0 for c in cpu.values())
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 3, 4])
+def test_bench_paged_gathers_only_walk_reads_every_page_once(pages_per_block):
+    """The decode floor ``bench_paged`` reports: a walk over a (permuted) page table whose
+    length is not a multiple of the block (4: padded with the zero null page) sums exactly
+    the sequences' keys and values."""
+    B, S, N, K, H, C = 2, 96, 4, 2, 8, 16  # M = 6 pages per sequence
+    _, k, v, k_pages, v_pages, table, _ = bench_paged.make_data(B, S, N, K, H, C)
+    assert not k_pages[:, 0].any() and not v_pages[:, 0].any()
+    walk = bench_paged.gathers_only(k_pages, v_pages, table, pages_per_block)
+    np.testing.assert_allclose(float(walk()), float(k.sum() + v.sum()), rtol=1e-5, atol=1e-4)
+    # a walk that skipped the ragged tail (or read a page twice) would miss by a whole page
+    assert abs(float(k[:, :, -C:].sum())) > 1e-2

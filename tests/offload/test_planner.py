@@ -442,7 +442,7 @@ def test_measured_numbers_appear_in_their_results_files():
     assert "| 73% |" in gaps and "matmul 129.3 GFLOP/s" in gaps
     offload_md = (RESULTS / "offload_2026-12-01.md").read_text()
     assert "| 5.48 |" in offload_md and "| 0.56x |" in offload_md
-    assert "| 1.70x |" in (RESULTS / "paged.md").read_text()
+    assert "| 1.70x |" in (RESULTS / "paged_2026-11-29.md").read_text()
     ring = (RESULTS / "ring.md").read_text()
     for S, ms in cost_model.RING_ZIGZAG_FORWARD_MS.items():
         assert f"| {S} | 2 | ring | zigzag | {ms:.0f} |" in ring
