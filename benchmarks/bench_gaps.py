@@ -320,10 +320,9 @@ def gap_rows(results: dict, sizes: Sizes) -> list[tuple[str, float, str, bool, s
     rows.append((
         f"paged decode / contiguous heads-major decode (B={sizes.decode_batch} x {_k(S)}, "
         f"page {sizes.paged_shape[3]})",
-        r, "<= 1.10x", r <= 1.10, f"pages_per_block={p['best']}" + (
-            f"; the walk's gathers alone: {p['gathers'] / p['contiguous']:.2f}x"
-            if "gathers" in p else ""
-        ),
+        r, "<= 1.10x", r <= 1.10,
+        f"pages_per_block={p['best']}; the walk's gathers alone: "
+        f"{p['gathers'] / p['contiguous']:.2f}x",
     ))  # fmt: skip
     off = results["offload"]
     for op, label in (("page_out", "page-out"), ("page_in", "page-in")):

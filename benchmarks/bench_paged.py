@@ -111,19 +111,20 @@ def bench_main(B, S, N, K, H, C, reps, sweep):
 
     tuning = interleaved({ppb: paged_fn(ppb) for ppb in sweep}, max(2, reps // 2))
     best = min(tuning, key=tuning.get)
+    paged, gathers = paged_fn(best), gathers_only(k_pages, v_pages, table, best)
     copy_bytes = min(kv_bytes, GiB)
     result = interleaved(
         {
             "contiguous": lambda: contiguous_decode(q, k, v),
-            "paged": paged_fn(best),
-            "gathers": gathers_only(k_pages, v_pages, table, best),
+            "paged": paged,
+            "gathers": gathers,
             "memcpy": make_memcpy(copy_bytes),
         },
         reps,
     )
-    err = float(jnp.max(jnp.abs(paged_fn(best)() - contiguous_decode(q, k, v))))
+    err = float(jnp.max(jnp.abs(paged() - contiguous_decode(q, k, v))))
     rate = copy_bytes / result["memcpy"]
-    gathered = float(gathers_only(k_pages, v_pages, table, best)())
+    gathered = float(gathers())
     if not np.isclose(gathered, float(k.sum() + v.sum()), rtol=1e-3):
         raise AssertionError(f"gathers-only walk summed {gathered}, the KV sums to another value")
     return dict(

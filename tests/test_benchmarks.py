@@ -225,8 +225,8 @@ def test_bench_gaps_tables_from_known_numbers():
         },
         "paged": {
             "by_length": {
-                "64": {"contiguous": 1.0, "paged": 1.5, "best": 2},
-                "128": {"contiguous": 2.0, "paged": 2.1, "best": 4},
+                "64": {"contiguous": 1.0, "paged": 1.5, "gathers": 0.8, "best": 2},
+                "128": {"contiguous": 2.0, "paged": 2.1, "gathers": 1.8, "best": 4},
             }
         },
         "offload": {"memcpy": 0.9, "page_out": 1.0, "page_in": 1.2, "fresh device_put": 3.0},
@@ -236,6 +236,7 @@ def test_bench_gaps_tables_from_known_numbers():
     measured = [round(value, 6) for _, value, _, _, _ in gaps]
     assert measured == [2.0, 0.5, 1.0, 0.6, 1.05, 0.9, 0.75, 0.5]
     assert [met for *_, met, _ in gaps] == [True, False, True, False, True, True, False, True]
+    assert "the walk's gathers alone: 0.90x" in gaps[4][4]  # the paged row's note, at 128
     ratios = [round(r, 6) for _, _, _, r, _ in scaling]
     assert ratios[:3] == [4.0, 4.0, 1.4]  # fwd, fwd+bwd, paged decode
     assert [round(r, 6) for name, *_, r, _ in scaling if "temporaries" in name] == [2, 2.5, 2, 1.5]
