@@ -4,8 +4,10 @@ Every ``(query block, key block)`` pair is classified from per-block position an
 ranges as *empty* (skipped: no compute), *full* (no mask needed) or *partial* (masked
 elementwise). The classification is dynamic, so it also skips work for arbitrary positions: a
 ring hop whose block lies in the causal future, a zigzag layout, a sliding window, packed
-documents. :meth:`Summaries.kinds` tabulates all pairs once per call; :func:`live_range` gives
-the span of live blocks a kernel loop visits (dynamic trip counts). With one window per query head (a traced ``[B, K, G]`` int32 table, ``0`` for a
+documents. :meth:`Summaries.kinds` tabulates all pairs once per call; :func:`visit_order`
+lists a row's full blocks, then its partial ones, for the XLA kernels' two branch-free loops,
+and :func:`live_range` gives the span of live blocks the Pallas kernels visit (dynamic trip
+counts). With one window per query head (a traced ``[B, K, G]`` int32 table, ``0`` for a
 head without a window, so head-sharded strategies can slice it per device) a pair is live if
 it is live for the widest window and full only if it is full for the narrowest.
 
@@ -151,6 +153,22 @@ def live_range(live):
     hi = (n - jnp.argmax(live[::-1])).astype(jnp.int32)
     any_live = jnp.any(live)
     return jnp.where(any_live, lo, 0), jnp.where(any_live, hi, 0)
+
+
+def visit_order(kinds_row):
+    """``(order, n_full, n_live)`` for one row of the kinds table, ``kinds_row [n]`` int32.
+
+    ``order [n]`` int32 lists the FULL blocks (ascending), then the PARTIAL ones (ascending),
+    then the EMPTY ones; ``n_full`` and ``n_live`` count the first two groups. A kernel runs
+    two branch-free loops, ``order[:n_full]`` unmasked and ``order[n_full:n_live]`` masked,
+    instead of a ``lax.switch`` per block pair (a conditional per block that XLA:CPU pays
+    for in every iteration). The online softmax does not depend on the order of key blocks.
+    """
+    rank = jnp.where(kinds_row == FULL, 0, jnp.where(kinds_row == PARTIAL, 1, 2))
+    order = jnp.argsort(rank, stable=True).astype(jnp.int32)
+    n_full = jnp.sum(kinds_row == FULL).astype(jnp.int32)
+    n_live = n_full + jnp.sum(kinds_row == PARTIAL).astype(jnp.int32)
+    return order, n_full, n_live
 
 
 def block_mask(cfg: KernelConfig, summ, windows, q_pos, kv_pos, q_seg, kv_seg, q_start, kv_start):

@@ -8,10 +8,10 @@ plain row-major batched matmul (``[b, m, k] x [b, k, n]``): ``dv += p^T do``,
 copies of ``q`` and ``dout`` that these need are laid out once per call, block-major, instead
 of transposing ``[bq, bk]`` probabilities (or ``[bq, H]`` operands) inside the loop.
 
-Only block-sized values pass through the per-pair ``switch``: a conditional that carried the
-whole ``dq`` accumulator would copy it on every block pair. Per key block, only the query
-blocks between the first and the last live one are visited. In partial blocks hidden logits,
-keys and values are selected away (``where``) exactly as in the forward, so NaN in a masked
+Per key block, two loops with no branch visit only the live query blocks: the full ones
+(unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_order`); a
+``lax.switch`` per block pair, as before, cost XLA:CPU a conditional in every iteration. In
+partial blocks hidden logits, keys and values are selected away (``where``) exactly as in the forward, so NaN in a masked
 key reaches none of ``dq``, ``dk``, ``dv``.
 """
 
@@ -22,16 +22,15 @@ from jax import lax
 
 from ringattn._batching import fold_vmap
 from ringattn._blocks import (
-    EMPTY,
     KernelConfig,
     Summaries,
     block_mask,
     cap_logits,
     cols_blocks,
     dslice,
-    live_range,
     rows_blocks,
     visible_keys,
+    visit_order,
 )
 from ringattn._varying import cast_varying, varying_axes
 
@@ -121,24 +120,17 @@ def _update_backward(
             dq_blk = dq_blk + mm(k_blk_t, ds_t.astype(kh.dtype))
             return dq_blk, dk, dv
 
-        def step(i, carry):
+        def step(t, carry, masked: bool):
             dq_t, dk, dv = carry
-            dq_blk, dk, dv = lax.switch(
-                kinds[i, j],
-                [
-                    lambda *c: c,
-                    lambda *c: visit(i, *c, False),
-                    lambda *c: visit(i, *c, True),
-                ],
-                dq_t[i],
-                dk,
-                dv,
-            )
+            i = order[t]
+            dq_blk, dk, dv = visit(i, dq_t[i], dk, dv, masked)
             dq_t = lax.dynamic_update_index_in_dim(dq_t, dq_blk, i, 0)
             return dq_t, dk, dv
 
-        lo, hi = live_range(kinds[:, j] != EMPTY)
-        dq_t, dk, dv = lax.fori_loop(lo, hi, step, (dq_t, dkv_blk[..., :H], dkv_blk[..., H:]))
+        order, n_full, n_live = visit_order(kinds[:, j])
+        carry = (dq_t, dkv_blk[..., :H], dkv_blk[..., H:])
+        carry = lax.fori_loop(0, n_full, lambda t, c: step(t, c, False), carry)
+        dq_t, dk, dv = lax.fori_loop(n_full, n_live, lambda t, c: step(t, c, True), carry)
         dkv = lax.dynamic_update_slice_in_dim(dkv, jnp.concatenate([dk, dv], -1), j * bk, 2)
         return dq_t, dkv
 

@@ -6,8 +6,8 @@ block-major as ``[nq, B, K, G * bq, H]`` (the ``G`` query heads of a group stack
 and the keys as ``k^T`` blocks ``[nk, B, K, H, bk]``, so each block product is a plain
 row-major batched matmul over ``(B, K)``, with no transposed copy inside the loop. An
 unmasked block takes its row max from the raw products and forms the scaled logits only
-inside the ``exp``; per query block only the key blocks between the first and the last live
-one are visited. Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
+inside the ``exp``. Per query block, two loops with no branch visit only the live key blocks:
+the full ones (unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_order`). Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
 loop), and :func:`update_forward_heads_major` folds further key sets (ring hops) into the
 same state. Block pairs are classified by :mod:`ringattn._blocks`.
 """
@@ -19,16 +19,15 @@ from jax import lax
 
 from ringattn._batching import fold_vmap
 from ringattn._blocks import (
-    EMPTY,
     KernelConfig,
     Summaries,
     apply_mask,
     block_mask,
     cap_logits,
     dslice,
-    live_range,
     rows_blocks,
     visible_keys,
+    visit_order,
 )
 from ringattn._online_softmax import (
     OnlineSoftmax,
@@ -109,20 +108,14 @@ def _update_forward(
             s = apply_mask(s, mask).reshape(B, K, R, bk)
             return update_online_softmax(st, s, v_blk)
 
-        def step(j, st):
-            return lax.switch(
-                kinds[i, j],
-                [lambda st: st, lambda st: visit(j, st, False), lambda st: visit(j, st, True)],
-                st,
-            )
-
         block = OnlineSoftmax(
             acc=dslice(state.acc, i * bq, bq, 3).reshape(B, K, R, H),
             m=dslice(state.m, i * bq, bq, 3).reshape(B, K, R),
             l=dslice(state.l, i * bq, bq, 3).reshape(B, K, R),
         )
-        lo, hi = live_range(kinds[i] != EMPTY)
-        block = lax.fori_loop(lo, hi, step, block)
+        order, n_full, n_live = visit_order(kinds[i])
+        block = lax.fori_loop(0, n_full, lambda t, st: visit(order[t], st, False), block)
+        block = lax.fori_loop(n_full, n_live, lambda t, st: visit(order[t], st, True), block)
         return OnlineSoftmax(
             acc=lax.dynamic_update_slice_in_dim(
                 state.acc, block.acc.reshape(B, K, G, bq, H), i * bq, 3

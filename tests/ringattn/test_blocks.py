@@ -1,13 +1,14 @@
-"""Block-pair bookkeeping of the blockwise kernels: the kinds table and the live ranges."""
+"""Block-pair bookkeeping of the blockwise kernels: the kinds table, live ranges, visit order."""
 
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
 from ringattn import MaskSpec
-from ringattn._blocks import EMPTY, KernelConfig, Summaries, live_range
+from ringattn._blocks import EMPTY, FULL, PARTIAL, KernelConfig, Summaries, live_range, visit_order
 
 
 @settings(max_examples=30, deadline=None)
@@ -19,6 +20,20 @@ def test_live_range_spans_every_live_index(live):
         assert (lo, hi) == (idx[0], idx[-1] + 1)
     else:
         assert lo == hi == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(kinds=st.lists(st.sampled_from([EMPTY, FULL, PARTIAL]), min_size=1, max_size=12))
+def test_visit_order_lists_full_then_partial_blocks_each_once(kinds):
+    for fn in (visit_order, jax.jit(visit_order)):
+        order, n_full, n_live = (np.asarray(x) for x in fn(jnp.asarray(kinds, jnp.int32)))
+        full = [j for j, k in enumerate(kinds) if k == FULL]
+        partial = [j for j, k in enumerate(kinds) if k == PARTIAL]
+        assert order.dtype == np.int32 and sorted(order.tolist()) == list(range(len(kinds)))
+        assert (int(n_full), int(n_live)) == (len(full), len(full) + len(partial))
+        assert order[: len(full)].tolist() == full
+        assert order[len(full) : len(full) + len(partial)].tolist() == partial
+        assert all(kinds[j] == EMPTY for j in order[len(full) + len(partial) :])
 
 
 @pytest.mark.parametrize(
