@@ -15,6 +15,7 @@ Usage (from the repository root):
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from benchmarks import _common
 from ringattn import BlockSizes, attention_reference, blockwise_attention
@@ -42,6 +43,74 @@ def attention_flops(T, S, N, H, causal, backward):
     pairs = T * (T + 1) / 2 if causal and T == S else T * S
     fwd = 4 * N * H * pairs  # QK^T and PV
     return fwd * (3.5 if backward else 1.0)  # backward: 5 matmuls (one recompute) vs 2
+
+
+def block_matmuls(block_q: int, block_kv: int):
+    """``(forward, backward)``, jitted: the blockwise kernels' block products and nothing else.
+
+    The same loops, block-major layouts and batched matmul shapes as the kernels, with the
+    softmax, masking and bookkeeping removed, so their FLOP rate is what this machine gives
+    these block products: the ceiling of the kernels' efficiency. For ``q, k, v, dout
+    [B, L, N, H]`` (one kv head per query head; ``L`` a multiple of both blocks) they compute
+    ``forward(q, k, v) = (q k^T) v`` per head, two products per block pair visited query block
+    by query block, and ``backward(q, k, v, dout) = (dq, dk, dv)``, its exact VJP, five
+    products per block pair (``s^T = k q^T``, ``dv += s^T do``, ``dp^T = v do^T``,
+    ``dk += dp^T q``, ``dq^T += k^T dp^T``) visited key block by key block.
+    """
+
+    def rows(x, b):  # [B, L, N, H] -> [L // b, B, N, b, H]
+        B, L, N, H = x.shape
+        return x.reshape(B, L // b, b, N, H).transpose(1, 0, 3, 2, 4)
+
+    def cols(x, b):  # [B, L, N, H] -> [L // b, B, N, H, b]
+        B, L, N, H = x.shape
+        return x.reshape(B, L // b, b, N, H).transpose(1, 0, 3, 4, 2)
+
+    def forward(q, k, v):
+        q_rows, k_cols, v_rows = rows(q, block_q), cols(k, block_kv), rows(v, block_kv)
+        nk = k_cols.shape[0]
+
+        def q_block(i, out):
+            def kv_block(j, acc):
+                return acc + (q_rows[i] @ k_cols[j]) @ v_rows[j]
+
+            acc = lax.fori_loop(0, nk, kv_block, jnp.zeros(q_rows.shape[1:], jnp.float32))
+            return lax.dynamic_update_index_in_dim(out, acc, i, 0)
+
+        out = lax.fori_loop(0, q_rows.shape[0], q_block, jnp.zeros(q_rows.shape, jnp.float32))
+        return out.transpose(1, 0, 3, 2, 4).reshape(q.shape)
+
+    def backward(q, k, v, dout):
+        q_rows, q_cols = rows(q, block_q), cols(q, block_q)
+        do_rows, do_cols = rows(dout, block_q), cols(dout, block_q)
+        k_rows, k_cols, v_rows = rows(k, block_kv), cols(k, block_kv), rows(v, block_kv)
+        nq = q_rows.shape[0]
+
+        def kv_block(j, carry):
+            dq_t, dk_all, dv_all = carry
+
+            def q_block(i, c):
+                dq_t, dk, dv = c
+                s_t = k_rows[j] @ q_cols[i]  # [B, N, bk, bq]
+                dv = dv + s_t @ do_rows[i]
+                dp_t = v_rows[j] @ do_cols[i]
+                dk = dk + dp_t @ q_rows[i]
+                dq_t = lax.dynamic_update_index_in_dim(dq_t, dq_t[i] + k_cols[j] @ dp_t, i, 0)
+                return dq_t, dk, dv
+
+            zeros = jnp.zeros(k_rows.shape[1:], jnp.float32)
+            dq_t, dk, dv = lax.fori_loop(0, nq, q_block, (dq_t, zeros, zeros))
+            dk_all = lax.dynamic_update_index_in_dim(dk_all, dk, j, 0)
+            dv_all = lax.dynamic_update_index_in_dim(dv_all, dv, j, 0)
+            return dq_t, dk_all, dv_all
+
+        init = (jnp.zeros(q_cols.shape, jnp.float32), *2 * [jnp.zeros(k_rows.shape, jnp.float32)])
+        dq_t, dk, dv = lax.fori_loop(0, k_rows.shape[0], kv_block, init)
+        dq = dq_t.transpose(1, 0, 4, 2, 3).reshape(q.shape)
+        kv_back = lambda x: x.transpose(1, 0, 3, 2, 4).reshape(k.shape)
+        return dq, kv_back(dk), kv_back(dv)
+
+    return jax.jit(forward), jax.jit(backward)
 
 
 def make_paths(blocks):

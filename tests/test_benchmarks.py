@@ -16,6 +16,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -222,6 +224,8 @@ def test_bench_gaps_tables_from_known_numbers():
             "bwd": {"128": 1.0, "256": 2.0 * flops / mm},
             "temp_fwd": {"128": 10, "256": 20, "512": 50},
             "temp_fwd_bwd": {"128": 30, "256": 60, "512": 90},
+            "matmuls_fwd": {"256": 0.8 * flops / mm},  # the ceilings: 125% and 70%
+            "matmuls_bwd": {"256": 4.2 * flops / mm},
         },
         "paged": {
             "by_length": {
@@ -237,6 +241,11 @@ def test_bench_gaps_tables_from_known_numbers():
     assert measured == [2.0, 0.5, 1.0, 0.6, 1.05, 0.9, 0.75, 0.5]
     assert [met for *_, met, _ in gaps] == [True, False, True, False, True, True, False, True]
     assert "the walk's gathers alone: 0.90x" in gaps[4][4]  # the paged row's note, at 128
+    assert gaps[1][4].endswith("the same block matmuls alone (no softmax): 70%")  # fwd+bwd
+    assert gaps[2][4] == "the same block matmuls alone (no softmax): 125%"  # forward
+    del results["blockwise"]["matmuls_fwd"], results["blockwise"]["matmuls_bwd"]
+    older, _ = _check_gaps_tables(results)  # a run from before the ceiling was measured
+    assert older[2][4] == "" and older[1][4] == "matmul 1.0 GFLOP/s"
     ratios = [round(r, 6) for _, _, _, r, _ in scaling]
     assert ratios[:3] == [4.0, 4.0, 1.4]  # fwd, fwd+bwd, paged decode
     assert [round(r, 6) for name, *_, r, _ in scaling if "temporaries" in name] == [2, 2.5, 2, 1.5]
@@ -249,6 +258,7 @@ def test_bench_gaps_parts_at_tiny_sizes():
     results = {part: bench_gaps.MEASURE[part](bench_gaps.TINY) for part in bench_gaps.PARTS}
     assert results["ring"]["grad_err"] < 1e-4
     assert len(results["blockwise"]["temp_fwd_bwd"]) == len(bench_gaps.TINY.memory_lengths)
+    assert set(results["blockwise"]["matmuls_bwd"]) == {str(max(bench_gaps.TINY.bwd_lengths))}
     _check_gaps_tables(results)
 
 
@@ -432,3 +442,19 @@ def test_bench_paged_gathers_only_walk_reads_every_page_once(pages_per_block):
     np.testing.assert_allclose(float(walk()), float(k.sum() + v.sum()), rtol=1e-5, atol=1e-4)
     # a walk that skipped the ragged tail (or read a page twice) would miss by a whole page
     assert abs(float(k[:, :, -C:].sum())) > 1e-2
+
+
+@pytest.mark.parametrize("blocks", [(32, 48), (96, 16)])
+def test_bench_blockwise_block_matmuls_are_the_products_of_unnormalised_attention(blocks):
+    """The efficiency ceiling's program computes ``(q k^T) v`` per head and its exact VJP."""
+    B, L, N, H = 2, 96, 3, 8
+    q, k, v, do = (jax.random.normal(jax.random.key(i), (B, L, N, H)) for i in range(4))
+
+    def linear_attention(q, k, v):
+        return jnp.einsum("btns,bsnh->btnh", jnp.einsum("btnh,bsnh->btns", q, k), v)
+
+    forward, backward = bench_blockwise.block_matmuls(*blocks)
+    want, vjp = jax.vjp(linear_attention, q, k, v)
+    np.testing.assert_allclose(forward(q, k, v), want, rtol=1e-5, atol=1e-4)
+    for got, grad in zip(backward(q, k, v, do), vjp(do), strict=True):
+        np.testing.assert_allclose(got, grad, rtol=1e-5, atol=1e-4)
