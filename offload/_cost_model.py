@@ -64,9 +64,10 @@ CPU_MEMCPY_BYTES_PER_S = 5.48 * 2**30
 #: paged.md (12-02): paged_attention decode is 1.94x the KV-bytes / memcpy bandwidth limit
 #: (the 11-29 run, paged_2026-11-29.md: 1.70x).
 PAGED_DECODE_VS_BANDWIDTH = 1.94
-#: gaps.md (run B, 12-02): page_in reaches 0.93x of the same-run memcpy (median), since the key
-#: and value copies run side by side (offload_2026-12-01.md, before: 0.56x; offload.md's 1.13x
-#: the same day is above the memcpy it is compared to, which a host link cannot be).
+#: gaps_2026-12-02.md (run B): page_in reaches 0.93x of the same-run memcpy (median), since
+#: the key and value copies run side by side (offload_2026-12-01.md, before: 0.56x;
+#: offload.md's 1.13x the same day is above the memcpy it is compared to, which a host link
+#: cannot be).
 PAGE_IN_VS_MEMCPY = 0.93
 #: ring.md: non-causal zigzag ring forward on 8 CPU devices, K=2, N=8, H=64, float32 (ms).
 RING_ZIGZAG_FORWARD_MS = {2048: 99.0, 4096: 354.0}
