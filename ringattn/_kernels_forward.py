@@ -6,14 +6,9 @@ block-major as ``[nq, B, K, G * bq, H]`` (the ``G`` query heads of a group stack
 and the keys as ``k^T`` blocks ``[nk, B, K, H, bk]``, so each block product is a plain
 row-major batched matmul over ``(B, K)``, with no transposed copy inside the loop. An
 unmasked block takes its row max from the raw products and forms the scaled logits only
-inside the ``exp``. Per query block, loops with no per-block branch visit only the live key
-blocks: the full ones (unmasked), then the partial ones (masked;
-:func:`ringattn._blocks.visit_order`). After the first full block, the other full blocks keep
-each row's max fixed (no row-max reduction, no rescaling) when a Cauchy-Schwarz bound on their
-logits, ``|q| max |k| |scale|``, shows none can exceed it by more than
-:data:`FIXED_MAX_HEADROOM`; otherwise they run the exact online max (one branch per query
-block). Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice``
-in a loop), and :func:`update_forward_heads_major` folds further key sets (ring hops) into the
+inside the ``exp``. Per query block, two loops with no branch visit only the live key blocks:
+the full ones (unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_order`). Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
+loop), and :func:`update_forward_heads_major` folds further key sets (ring hops) into the
 same state. Block pairs are classified by :mod:`ringattn._blocks`.
 """
 
@@ -24,7 +19,6 @@ from jax import lax
 
 from ringattn._batching import fold_vmap
 from ringattn._blocks import (
-    FULL,
     KernelConfig,
     Summaries,
     apply_mask,
@@ -92,19 +86,15 @@ def _update_forward(
     k_cols = jnp.moveaxis(kh.reshape(B, K, nk, bk, H), 2, 0).swapaxes(3, 4)  # [nk, B, K, H, bk]
     v_rows = jnp.moveaxis(vh.reshape(B, K, nk, bk, H), 2, 0)  # [nk, B, K, bk, H]
     mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
-    # Per key block and kv head, the largest key norm: with the query rows' norms it bounds
-    # every logit of a block pair (Cauchy-Schwarz), which decides the fixed-max loop below.
-    k_norms = jnp.linalg.norm(kh.astype(jnp.float32), axis=-1)  # [B, K, Sp]
-    k_norms = jnp.moveaxis(k_norms.reshape(B, K, nk, bk).max(-1), 2, 0)  # [nk, B, K]
 
     def one_q_block(i, state: OnlineSoftmax):
         q_blk = q_rows[i]  # [B, K, R, H]
         qp = dslice(q_pos, i * bq, bq, 1)
         qs = None if q_seg is None else dslice(q_seg, i * bq, bq, 1)
 
-        def visit(j, st: OnlineSoftmax, how: str):  # "unmasked", "fixed_max" or "masked"
+        def visit(j, st: OnlineSoftmax, masked: bool):
             k_blk, v_blk = k_cols[j], v_rows[j]  # [B, K, H, bk], [B, K, bk, H]
-            if how == "masked":
+            if masked:
                 kp = dslice(kv_pos, j * bk, bk, 1)
                 ks = None if kv_seg is None else dslice(kv_seg, j * bk, bk, 1)
                 mask = block_mask(cfg, summ, windows, qp, kp, qs, ks, i * bq, j * bk)
@@ -112,9 +102,7 @@ def _update_forward(
                 k_blk = jnp.where(jnp.swapaxes(seen, 2, 3), k_blk, 0)
                 v_blk = jnp.where(seen, v_blk, 0)
             products = mm(q_blk, k_blk)  # [B, K, R, bk] float32, unscaled
-            if how == "fixed_max":
-                return _update_fixed_max(st, products, v_blk, cfg)
-            if how == "unmasked":
+            if not masked:
                 return _update_unmasked(st, products, v_blk, cfg)
             s = cap_logits(cfg, products)[0].reshape(B, K, G, bq, bk)
             s = apply_mask(s, mask).reshape(B, K, R, bk)
@@ -126,25 +114,8 @@ def _update_forward(
             l=dslice(state.l, i * bq, bq, 3).reshape(B, K, R),
         )
         order, n_full, n_live = visit_order(kinds[i])
-        # The first full block sets each row's max; if no later full block can exceed it by
-        # more than FIXED_MAX_HEADROOM, they all run with that max kept (no row max, no
-        # rescaling), else with the exact online max. One branch per query block.
-        block = lax.fori_loop(
-            0, jnp.minimum(n_full, 1), lambda t, st: visit(order[t], st, "unmasked"), block
-        )
-        kmax = jnp.max(jnp.where((kinds[i] == FULL)[:, None, None], k_norms, 0.0), axis=0)
-        bound = jnp.linalg.norm(q_blk.astype(jnp.float32), axis=-1) * kmax[..., None]
-        bound = bound * abs(cfg.scale)
-        if cfg.mask.softcap is not None:
-            bound = jnp.minimum(bound, cfg.mask.softcap)
-        fixed = jnp.all(bound - block.m <= FIXED_MAX_HEADROOM)
-        block = lax.cond(
-            fixed,
-            lambda st: lax.fori_loop(1, n_full, lambda t, st: visit(order[t], st, "fixed_max"), st),
-            lambda st: lax.fori_loop(1, n_full, lambda t, st: visit(order[t], st, "unmasked"), st),
-            block,
-        )
-        block = lax.fori_loop(n_full, n_live, lambda t, st: visit(order[t], st, "masked"), block)
+        block = lax.fori_loop(0, n_full, lambda t, st: visit(order[t], st, False), block)
+        block = lax.fori_loop(n_full, n_live, lambda t, st: visit(order[t], st, True), block)
         return OnlineSoftmax(
             acc=lax.dynamic_update_slice_in_dim(
                 state.acc, block.acc.reshape(B, K, G, bq, H), i * bq, 3
@@ -155,23 +126,6 @@ def _update_forward(
 
     axes = varying_axes(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
     return lax.fori_loop(0, nq, one_q_block, cast_varying(state, axes))
-
-
-#: The fixed-max loop runs only if every logit of its blocks is provably at most this much
-#: above its row's max so far: ``exp`` then stays below ``e**40`` (about 2e17), so sums over
-#: a million keys of values up to 1e6 stay finite in float32.
-FIXED_MAX_HEADROOM = 40.0
-
-
-def _update_fixed_max(st: OnlineSoftmax, products, v_blk, cfg: KernelConfig) -> OnlineSoftmax:
-    """:func:`_update_unmasked` with each row's max kept as it is (no reduction, no rescale).
-
-    Exact for any max: ``acc`` and ``l`` are scaled by the same ``exp(-m)``, which the final
-    ``acc / l`` and ``lse = m + log(l)`` undo; the caller guarantees no overflow.
-    """
-    p = jnp.exp(cap_logits(cfg, products)[0] - st.m[..., None])
-    pv = jnp.matmul(p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
-    return OnlineSoftmax(acc=st.acc + pv, m=st.m, l=st.l + jnp.sum(p, axis=-1))
 
 
 def _update_unmasked(st: OnlineSoftmax, products, v_blk, cfg: KernelConfig) -> OnlineSoftmax:
