@@ -4,9 +4,9 @@ The kernels choose per block pair whether to skip, compute unmasked or compute m
 block summaries reduced over the batch: each row of blocks runs two loops whose trip counts
 and block indices are computed (:func:`ringattn._blocks.visit_order`). Under ``vmap`` those
 would be batched, which turns each loop into one over the most blocks of any batch member
-with a select per step (no work skipped). The kernels
-are batch-polymorphic in their leading ``B`` axis, so a vmapped call is the same kernel on a
-batch of ``V * B`` rows: :func:`fold_vmap` gives a kernel that custom batching rule.
+with a select per step (no work skipped). The kernels are batch-polymorphic in their leading
+``B`` axis, so a vmapped call is the same kernel on a batch of ``V * B`` rows:
+:func:`fold_vmap` gives a kernel that custom batching rule.
 """
 
 import jax

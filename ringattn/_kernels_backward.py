@@ -11,8 +11,8 @@ of transposing ``[bq, bk]`` probabilities (or ``[bq, H]`` operands) inside the l
 Per key block, two loops with no branch visit only the live query blocks: the full ones
 (unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_order`); a
 ``lax.switch`` per block pair, as before, cost XLA:CPU a conditional in every iteration. In
-partial blocks hidden logits, keys and values are selected away (``where``) exactly as in the forward, so NaN in a masked
-key reaches none of ``dq``, ``dk``, ``dv``.
+partial blocks hidden logits, keys and values are selected away (``where``) exactly as in the
+forward, so NaN in a masked key reaches none of ``dq``, ``dk``, ``dv``.
 """
 
 import functools
