@@ -86,13 +86,19 @@ def _update_backward(
     # dq^T, block-major: [nq, B, K, H, R]
     dq_t = dq.reshape(B, K, G, nq, bq, H).transpose(3, 0, 1, 5, 2, 4).reshape(nq, B, K, H, R)
 
+    # k^T blocks laid out once (as the forward's): transposing each key block inside the loop
+    # lets XLA fold the transpose into the dq product, and XLA:CPU cannot run the folded
+    # (contracting-dim-2) bfloat16 x bfloat16 -> float32 dot ("Unsupported element type for
+    # DotThunk").
+    k_cols = jnp.moveaxis(kh.reshape(B, K, nk, bk, H), 2, 0).swapaxes(3, 4)  # [nk, B, K, H, bk]
+
     def kv_block(j, carry):
         dq_t, dkv = carry
         k_all = dslice(kh, j * bk, bk, 2)  # [B, K, bk, H]
         v_all = dslice(vh, j * bk, bk, 2)
         kp = dslice(kv_pos, j * bk, bk, 1)
         ks = None if kv_seg is None else dslice(kv_seg, j * bk, bk, 1)
-        k_all_t = jnp.swapaxes(k_all, 2, 3)  # [B, K, H, bk]
+        k_all_t = k_cols[j]  # [B, K, H, bk]
         dkv_blk = dslice(dkv, j * bk, bk, 2)  # [B, K, bk, 2H]
 
         def visit(i, dq_blk, dk, dv, masked: bool):
