@@ -18,6 +18,7 @@ before any product, so NaN or inf stored there reaches neither outputs nor gradi
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -67,6 +68,17 @@ def cols_blocks(x, bq: int):
     B, Tp, K, G, H = x.shape
     x = x.reshape(B, Tp // bq, bq, K, G, H).transpose(1, 0, 3, 5, 4, 2)
     return x.reshape(Tp // bq, B, K, H, G * bq)
+
+
+def kv_rows_blocks(x, bk: int):
+    """``[B, K, Sp, H]`` → ``[nk, B, K, bk, H]``: each key (or value) block, block-major."""
+    B, K, Sp, H = x.shape
+    return jnp.moveaxis(x.reshape(B, K, Sp // bk, bk, H), 2, 0)
+
+
+def kv_cols_blocks(x, bk: int):
+    """``[B, K, Sp, H]`` → ``[nk, B, K, H, bk]``: each key block transposed (``k^T``)."""
+    return kv_rows_blocks(x, bk).swapaxes(3, 4)
 
 
 def _block_ranges(ids, block: int):
@@ -169,6 +181,16 @@ def visit_order(kinds_row):
     n_full = jnp.sum(kinds_row == FULL).astype(jnp.int32)
     n_live = n_full + jnp.sum(kinds_row == PARTIAL).astype(jnp.int32)
     return order, n_full, n_live
+
+
+def visit_orders(kinds):
+    """:func:`visit_order` of every row of ``kinds [n_rows, n]``, computed once per call.
+
+    Returns ``order [n_rows, n]``, ``n_full [n_rows]`` and ``n_live [n_rows]`` int32; a kernel's
+    loop over rows indexes them, so no sort runs inside the loop. Pass ``kinds.T`` for the
+    columns (the backward's loop over key blocks).
+    """
+    return jax.vmap(visit_order)(kinds)
 
 
 def block_mask(cfg: KernelConfig, summ, windows, q_pos, kv_pos, q_seg, kv_seg, q_start, kv_start):

@@ -9,7 +9,7 @@ copies of ``q`` and ``dout`` that these need are laid out once per call, block-m
 of transposing ``[bq, bk]`` probabilities (or ``[bq, H]`` operands) inside the loop.
 
 Per key block, two loops with no branch visit only the live query blocks: the full ones
-(unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_order`); a
+(unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_orders`); a
 ``lax.switch`` per block pair, as before, cost XLA:CPU a conditional in every iteration. In
 partial blocks hidden logits, keys and values are selected away (``where``) exactly as in the
 forward, so NaN in a masked key reaches none of ``dq``, ``dk``, ``dv``.
@@ -28,9 +28,10 @@ from ringattn._blocks import (
     cap_logits,
     cols_blocks,
     dslice,
+    kv_cols_blocks,
     rows_blocks,
     visible_keys,
-    visit_order,
+    visit_orders,
 )
 from ringattn._varying import cast_varying, varying_axes
 
@@ -90,7 +91,8 @@ def _update_backward(
     # lets XLA fold the transpose into the dq product, and XLA:CPU cannot run the folded
     # (contracting-dim-2) bfloat16 x bfloat16 -> float32 dot ("Unsupported element type for
     # DotThunk").
-    k_cols = jnp.moveaxis(kh.reshape(B, K, nk, bk, H), 2, 0).swapaxes(3, 4)  # [nk, B, K, H, bk]
+    k_cols = kv_cols_blocks(kh, bk)  # [nk, B, K, H, bk]
+    orders, n_fulls, n_lives = visit_orders(kinds.T)  # [nk, nq], [nk], [nk]
 
     def kv_block(j, carry):
         dq_t, dkv = carry
@@ -133,7 +135,7 @@ def _update_backward(
             dq_t = lax.dynamic_update_index_in_dim(dq_t, dq_blk, i, 0)
             return dq_t, dk, dv
 
-        order, n_full, n_live = visit_order(kinds[:, j])
+        order, n_full, n_live = orders[j], n_fulls[j], n_lives[j]
         carry = (dq_t, dkv_blk[..., :H], dkv_blk[..., H:])
         carry = lax.fori_loop(0, n_full, lambda t, c: step(t, c, False), carry)
         dq_t, dk, dv = lax.fori_loop(n_full, n_live, lambda t, c: step(t, c, True), carry)

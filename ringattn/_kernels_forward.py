@@ -7,7 +7,7 @@ and the keys as ``k^T`` blocks ``[nk, B, K, H, bk]``, so each block product is a
 row-major batched matmul over ``(B, K)``, with no transposed copy inside the loop. An
 unmasked block takes its row max from the raw products and forms the scaled logits only
 inside the ``exp``. Per query block, two loops with no branch visit only the live key blocks:
-the full ones (unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_order`).
+the full ones (unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_orders`, once per call).
 Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
 loop), and :func:`update_forward_heads_major` folds further key sets (ring hops) into the
 same state. Block pairs are classified by :mod:`ringattn._blocks`.
@@ -26,9 +26,11 @@ from ringattn._blocks import (
     block_mask,
     cap_logits,
     dslice,
+    kv_cols_blocks,
+    kv_rows_blocks,
     rows_blocks,
     visible_keys,
-    visit_order,
+    visit_orders,
 )
 from ringattn._online_softmax import (
     OnlineSoftmax,
@@ -84,8 +86,9 @@ def _update_forward(
     # Laid out once, block-major, so each block product is a plain row-major batched matmul:
     # s = q k^T is [B, K, R, H] x [B, K, H, bk], p v is [B, K, R, bk] x [B, K, bk, H].
     q_rows = rows_blocks(qg, bq)  # [nq, B, K, R, H]
-    k_cols = jnp.moveaxis(kh.reshape(B, K, nk, bk, H), 2, 0).swapaxes(3, 4)  # [nk, B, K, H, bk]
-    v_rows = jnp.moveaxis(vh.reshape(B, K, nk, bk, H), 2, 0)  # [nk, B, K, bk, H]
+    k_cols = kv_cols_blocks(kh, bk)  # [nk, B, K, H, bk]
+    v_rows = kv_rows_blocks(vh, bk)  # [nk, B, K, bk, H]
+    orders, n_fulls, n_lives = visit_orders(kinds)  # [nq, nk], [nq], [nq]
     mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
 
     def one_q_block(i, state: OnlineSoftmax):
@@ -114,7 +117,7 @@ def _update_forward(
             m=dslice(state.m, i * bq, bq, 3).reshape(B, K, R),
             l=dslice(state.l, i * bq, bq, 3).reshape(B, K, R),
         )
-        order, n_full, n_live = visit_order(kinds[i])
+        order, n_full, n_live = orders[i], n_fulls[i], n_lives[i]
         block = lax.fori_loop(0, n_full, lambda t, st: visit(order[t], st, False), block)
         block = lax.fori_loop(n_full, n_live, lambda t, st: visit(order[t], st, True), block)
         return OnlineSoftmax(

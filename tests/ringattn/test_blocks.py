@@ -8,7 +8,18 @@ import pytest
 from hypothesis import given, settings
 
 from ringattn import MaskSpec
-from ringattn._blocks import EMPTY, FULL, PARTIAL, KernelConfig, Summaries, live_range, visit_order
+from ringattn._blocks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    KernelConfig,
+    Summaries,
+    kv_cols_blocks,
+    kv_rows_blocks,
+    live_range,
+    visit_order,
+    visit_orders,
+)
 
 
 @settings(max_examples=30, deadline=None)
@@ -34,6 +45,39 @@ def test_visit_order_lists_full_then_partial_blocks_each_once(kinds):
         assert order[: len(full)].tolist() == full
         assert order[len(full) : len(full) + len(partial)].tolist() == partial
         assert all(kinds[j] == EMPTY for j in order[len(full) + len(partial) :])
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    kinds=st.integers(1, 6).flatmap(
+        lambda n: st.lists(
+            st.lists(st.sampled_from([EMPTY, FULL, PARTIAL]), min_size=n, max_size=n),
+            min_size=1,
+            max_size=5,
+        )
+    )
+)
+def test_visit_orders_is_visit_order_of_each_row_and_column(kinds):
+    table = jnp.asarray(kinds, jnp.int32)  # [n_rows, n]
+    for rows in (table, table.T):
+        for fn in (visit_orders, jax.jit(visit_orders)):
+            orders, n_fulls, n_lives = fn(rows)
+            assert orders.shape == rows.shape and n_fulls.shape == n_lives.shape == rows.shape[:1]
+            for r in range(rows.shape[0]):
+                order, n_full, n_live = visit_order(rows[r])
+                np.testing.assert_array_equal(orders[r], order)
+                assert (int(n_fulls[r]), int(n_lives[r])) == (int(n_full), int(n_live))
+
+
+def test_kv_blocks_are_the_key_blocks_and_their_transposes():
+    B, K, Sp, H, bk = 2, 3, 12, 5, 4
+    x = jnp.arange(B * K * Sp * H, dtype=jnp.float32).reshape(B, K, Sp, H)
+    rows, cols = kv_rows_blocks(x, bk), kv_cols_blocks(x, bk)
+    assert rows.shape == (Sp // bk, B, K, bk, H) and cols.shape == (Sp // bk, B, K, H, bk)
+    for j in range(Sp // bk):
+        blk = x[:, :, j * bk : (j + 1) * bk]
+        np.testing.assert_array_equal(rows[j], blk)
+        np.testing.assert_array_equal(cols[j], jnp.swapaxes(blk, 2, 3))
 
 
 @pytest.mark.parametrize(
