@@ -302,13 +302,13 @@ def gap_rows(results: dict, sizes: Sizes) -> list[tuple[str, float, str, bool, s
         "backward alone: the pullback from a forward's saved residuals; "
         f"(fwd+bwd) / fwd = {fwd_bwd[L] / fwd[L]:.2f}x",
     ))  # fmt: skip
-    eff_fb = attention_flops(L, L, N, H, False, True) * B / fwd_bwd[L] / mm
-    eff_f = attention_flops(L, L, N, H, False, False) * B / fwd[L] / mm
+    flops_fb = attention_flops(L, L, N, H, False, True) * B
+    flops_f = attention_flops(L, L, N, H, False, False) * B
+    eff_fb, eff_f = flops_fb / fwd_bwd[L] / mm, flops_f / fwd[L] / mm
     note_fb, note_f = f"matmul {mm / 1e9:.1f} GFLOP/s", ""
     if str(L) in bw.get("matmuls_fwd", {}):  # results of runs before this row had no ceiling
         t_f, t_b = _by_length(bw["matmuls_fwd"])[L], _by_length(bw["matmuls_bwd"])[L]
-        ceiling_fb = attention_flops(L, L, N, H, False, True) * B / (t_f + t_b) / mm
-        ceiling_f = attention_flops(L, L, N, H, False, False) * B / t_f / mm
+        ceiling_fb, ceiling_f = flops_fb / (t_f + t_b) / mm, flops_f / t_f / mm
         note_fb += f"; the same block matmuls alone (no softmax): {ceiling_fb:.0%}"
         note_f = f"the same block matmuls alone (no softmax): {ceiling_f:.0%}"
     rows.append((
