@@ -13,25 +13,47 @@ import jax
 import jax.numpy as jnp
 
 
-def _fold(x, batched: bool, size: int):
+def _fold(x, batched: bool, size: int, axis: int):
+    """``[V, ..., B, ...]`` (``B`` at ``axis`` once ``V`` is removed) → ``V * B`` at ``axis``."""
     if x is None:
         return None
     if not batched:
         x = jnp.broadcast_to(x, (size, *x.shape))
-    return x.reshape(size * x.shape[1], *x.shape[2:])
+    if axis:
+        x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], size * x.shape[axis + 1], *x.shape[axis + 2 :])
 
 
-def fold_vmap(fn):
+def _unfold(y, size: int, axis: int):
+    y = y.reshape(*y.shape[:axis], size, y.shape[axis] // size, *y.shape[axis + 1 :])
+    return jnp.moveaxis(y, axis, 0) if axis else y
+
+
+def fold_vmap(fn, in_axes=None, out_axes=None):
     """``fn(*args)`` (pytrees of arrays, each with the batch ``B`` as axis 0, returning such a
-    pytree), vmapped by running ``fn`` once on ``[V * B, ...]`` arrays."""
+    pytree), vmapped by running ``fn`` once on ``[V * B, ...]`` arrays.
+
+    ``in_axes`` (one int per positional argument, for all its leaves) and ``out_axes`` (one int
+    per element of the returned tuple) name where ``B`` is when it is not axis 0, as in the
+    block-major ``[n, B, ...]`` layouts a kernel is handed once per call.
+    """
     wrapped = jax.custom_batching.custom_vmap(fn)
 
     @wrapped.def_vmap
     def rule(axis_size, in_batched, *args):
-        folded = jax.tree.map(lambda x, b: _fold(x, b, axis_size), args, tuple(in_batched))
+        axes = (0,) * len(args) if in_axes is None else in_axes
+        folded = tuple(
+            jax.tree.map(lambda x, b, a=a: _fold(x, b, axis_size, a), arg, batched)
+            for arg, batched, a in zip(args, in_batched, axes, strict=True)
+        )
         out = fn(*folded)
-        unfold = lambda y: y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:])
-        out = jax.tree.map(unfold, out)
+        if out_axes is None:
+            out = jax.tree.map(lambda y: _unfold(y, axis_size, 0), out)
+        else:
+            out = tuple(
+                jax.tree.map(lambda y, a=a: _unfold(y, axis_size, a), o)
+                for o, a in zip(out, out_axes, strict=True)
+            )
         return out, jax.tree.map(lambda _: True, out)
 
     return wrapped

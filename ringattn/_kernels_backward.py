@@ -16,7 +16,9 @@ forward, so NaN in a masked key reaches none of ``dq``, ``dk``, ``dv``.
 """
 
 import functools
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -36,12 +38,75 @@ from ringattn._blocks import (
 from ringattn._varying import cast_varying, varying_axes
 
 
+class QueryBlocks(NamedTuple):
+    """The query side of the backward, block-major, laid out once for all key sets.
+
+    ``q_rows, do_rows [nq, B, K, G * bq, H]``, their transposes ``q_cols, do_cols
+    [nq, B, K, H, G * bq]``, and ``lse, delta [nq, B, K, 1, G, bq]`` float32 (``lse`` with
+    ``-inf`` replaced by 0: such a row's probabilities are 0 anyway, from its masked logits).
+    """
+
+    q_rows: jax.Array
+    q_cols: jax.Array
+    do_rows: jax.Array
+    do_cols: jax.Array
+    lse: jax.Array
+    delta: jax.Array
+
+
+def query_blocks(qg, lse, dout, delta, bq: int) -> QueryBlocks:
+    """:class:`QueryBlocks` of ``qg, dout [B, Tp, K, G, H]``, ``lse, delta [B, K, G, Tp]``."""
+    return QueryBlocks(
+        q_rows=rows_blocks(qg, bq),
+        q_cols=cols_blocks(qg, bq),
+        do_rows=rows_blocks(dout, bq),
+        do_cols=cols_blocks(dout, bq),
+        lse=_stat_blocks(jnp.where(jnp.isneginf(lse), 0.0, lse), bq),
+        delta=_stat_blocks(delta, bq),
+    )
+
+
+def dq_to_blocks(dq, bq: int):
+    """``dq [B, K, G, Tp, H]`` → ``dq^T`` block-major, ``[nq, B, K, H, G * bq]``."""
+    B, K, G, Tp, H = dq.shape
+    nq = Tp // bq
+    return dq.reshape(B, K, G, nq, bq, H).transpose(3, 0, 1, 5, 2, 4).reshape(nq, B, K, H, G * bq)
+
+
+def dq_from_blocks(dq_t, G: int):
+    """Inverse of :func:`dq_to_blocks`: ``[nq, B, K, H, G * bq]`` → ``[B, K, G, Tp, H]``."""
+    nq, B, K, H, R = dq_t.shape
+    bq = R // G
+    return dq_t.reshape(nq, B, K, H, G, bq).transpose(1, 2, 4, 0, 5, 3).reshape(B, K, G, nq * bq, H)
+
+
 def update_backward_heads_major(
     dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, cfg
 ):
-    """:func:`_update_backward`, with ``vmap`` folded into the batch axis."""
-    kernel = fold_vmap(functools.partial(_update_backward, cfg=cfg))
-    return kernel(dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta)
+    """Adds one key set's gradients to ``dq [B, K, G, Tp, H]`` and ``dkv``:
+    :func:`update_backward_blocks` with the query side laid out for this call alone."""
+    bq, G = cfg.block_q, qg.shape[3]
+    qb = query_blocks(qg, lse, dout, delta, bq)
+    dq_t, dkv = update_backward_blocks(
+        dq_to_blocks(dq, bq), dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
+    )
+    return dq_from_blocks(dq_t, G), dkv
+
+
+def update_backward_blocks(
+    dq_t, dkv, qb: QueryBlocks, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
+):
+    """:func:`_update_backward`, with ``vmap`` folded into the batch axis.
+
+    ``dq_t`` (:func:`dq_to_blocks`) and ``qb`` (:func:`query_blocks`) are block-major, laid
+    out once for all key sets: a ring keeps them so over all its hops.
+    """
+    kernel = fold_vmap(
+        functools.partial(_update_backward, cfg=cfg),
+        in_axes=(1, 0, 1, 0, 0, 0, 0, 0, 0, 0),
+        out_axes=(1, 0),
+    )
+    return kernel(dq_t, dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
 
 
 def _stat_blocks(x, bq: int):
@@ -52,40 +117,34 @@ def _stat_blocks(x, bq: int):
 
 
 def _update_backward(
-    dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, cfg
+    dq_t, dkv, qb: QueryBlocks, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
 ):
     """Adds one key set's blockwise gradients to float32 accumulators, in place.
 
     Args:
-      dq: ``[B, K, G, Tp, H]`` float32 accumulator of the query gradient.
+      dq_t: ``[nq, B, K, H, G * bq]`` float32 accumulator of the query gradient, transposed
+        and block-major (:func:`dq_to_blocks`).
       dkv: ``[B, K, Sp, 2H]`` float32 accumulator of ``concat([dk, dv], -1)`` for this key set.
-      qg, kh, vh, positions, segments, windows: as in
+      qb: the query side (:func:`query_blocks`): queries, output cotangent ``dout``, the
+        log-sum-exp of the *complete* attention the gradient is for (for a ring hop, the
+        global one; probabilities are ``exp(s - lse)``) and ``delta = sum(dout * out, -1) -
+        dlse``.
+      kh, vh, positions, segments, windows: as in
         :func:`ringattn._kernels_forward.update_forward_heads_major`.
-      lse: ``[B, K, G, Tp]`` float32 log-sum-exp of the *complete* attention the gradient is
-        for (for a ring hop, the global one): probabilities are ``exp(s - lse)``.
-      dout: ``[B, Tp, K, G, H]`` cotangent of the normalised output (row-major, like ``qg``).
-      delta: ``[B, K, G, Tp]`` float32 ``sum(dout * out, -1) - dlse``.
 
     Returns:
-      ``(dq, dkv)`` with this key set's contributions added.
+      ``(dq_t, dkv)`` with this key set's contributions added.
     """
-    B, Tp, K, G, H = qg.shape
+    nq, B, K, H, R = dq_t.shape
+    G = qb.lse.shape[4]
     Sp = kh.shape[2]
     bq, bk = cfg.block_q, cfg.block_kv
-    nq, nk = Tp // bq, Sp // bk
-    R = G * bq  # rows of one query block, all heads of a group: [G, bq] flattened
+    nk = Sp // bk
     summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk, windows, cfg.mask.dense)
     kinds = summ.kinds(cfg, nq, nk)  # [nq, nk]
-    axes = varying_axes(
-        dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta
-    )
+    axes = varying_axes(dq_t, dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
     softcap = cfg.mask.softcap
-    q_rows, q_cols = rows_blocks(qg, bq), cols_blocks(qg, bq)  # [nq, B, K, R, H], [.., H, R]
-    do_rows, do_cols = rows_blocks(dout, bq), cols_blocks(dout, bq)
-    lse_b = _stat_blocks(jnp.where(jnp.isneginf(lse), 0.0, lse), bq)  # [nq, B, K, 1, G, bq]
-    delta_b = _stat_blocks(delta, bq)
-    # dq^T, block-major: [nq, B, K, H, R]
-    dq_t = dq.reshape(B, K, G, nq, bq, H).transpose(3, 0, 1, 5, 2, 4).reshape(nq, B, K, H, R)
+    q_rows, q_cols, do_rows, do_cols, lse_b, delta_b = qb
 
     # k^T blocks laid out once (as the forward's): transposing each key block inside the loop
     # lets XLA fold the transpose into the dq product, and XLA:CPU cannot run the folded
@@ -118,13 +177,13 @@ def _update_backward(
             if masked:
                 s_t = jnp.where(mask_t, s_t, -jnp.inf)
             p_t = jnp.exp(s_t - lse_b[i])  # [B, K, bk, G, bq]
-            dv = dv + mm(p_t.reshape(B, K, bk, R).astype(dout.dtype), do_rows[i])
+            dv = dv + mm(p_t.reshape(B, K, bk, R).astype(do_rows.dtype), do_rows[i])
             dp_t = mm(v_blk, do_cols[i]).reshape(B, K, bk, G, bq)
             ds_t = p_t * (dp_t - delta_b[i])
             if softcap is not None:
                 ds_t = ds_t * (1.0 - t * t)
             ds_t = (ds_t * cfg.scale).reshape(B, K, bk, R)
-            dk = dk + mm(ds_t.astype(qg.dtype), q_rows[i])
+            dk = dk + mm(ds_t.astype(q_rows.dtype), q_rows[i])
             dq_blk = dq_blk + mm(k_blk_t, ds_t.astype(kh.dtype))
             return dq_blk, dk, dv
 
@@ -142,9 +201,7 @@ def _update_backward(
         dkv = lax.dynamic_update_slice_in_dim(dkv, jnp.concatenate([dk, dv], -1), j * bk, 2)
         return dq_t, dkv
 
-    dq_t, dkv = lax.fori_loop(0, nk, kv_block, cast_varying((dq_t, dkv), axes))
-    dq = dq_t.reshape(nq, B, K, H, G, bq).transpose(1, 2, 4, 0, 5, 3).reshape(B, K, G, Tp, H)
-    return dq, dkv
+    return lax.fori_loop(0, nk, kv_block, cast_varying((dq_t, dkv), axes))
 
 
 def backward_heads_major(

@@ -54,19 +54,35 @@ def init_forward_state(qg) -> OnlineSoftmax:
 def update_forward_heads_major(
     state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig
 ) -> OnlineSoftmax:
-    """:func:`_update_forward`, with ``vmap`` folded into the batch axis (so it still skips)."""
-    kernel = fold_vmap(functools.partial(_update_forward, cfg=cfg))
-    return kernel(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
+    """Folds one key/value set into ``state``: :func:`update_forward_blocks` of ``qg`` laid out
+    block-major (``qg [B, Tp, K, G, H]``)."""
+    q_rows = rows_blocks(qg, cfg.block_q)
+    return update_forward_blocks(state, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg)
+
+
+def update_forward_blocks(
+    state: OnlineSoftmax, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig
+) -> OnlineSoftmax:
+    """:func:`_update_forward`, with ``vmap`` folded into the batch axis (so it still skips).
+
+    ``q_rows [nq, B, K, G * bq, H]`` is :func:`ringattn._blocks.rows_blocks` of the queries,
+    laid out once for all key sets (a ring lays it out once for all its hops).
+    """
+    kernel = fold_vmap(
+        functools.partial(_update_forward, cfg=cfg), in_axes=(0, 1, 0, 0, 0, 0, 0, 0, 0)
+    )
+    return kernel(state, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
 
 
 def _update_forward(
-    state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig
+    state: OnlineSoftmax, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig
 ) -> OnlineSoftmax:
     """Folds one key/value set into a running online-softmax state, block by block, in place.
 
     Args:
       state: from :func:`init_forward_state` or a previous update (earlier key sets).
-      qg: ``[B, Tp, K, G, H]`` queries in row-major order; ``Tp % cfg.block_q == 0``.
+      q_rows: ``[nq, B, K, G * bq, H]`` queries, block-major (:func:`rows_blocks` of
+        ``[B, Tp, K, G, H]``, ``Tp = nq * cfg.block_q``).
       kh, vh: ``[B, K, Sp, H]``; ``Sp % cfg.block_kv == 0``.
       q_pos, q_seg: ``[B, Tp]`` int32 (``q_seg`` may be None).
       kv_pos, kv_seg: ``[B, Sp]`` int32 (``kv_seg`` may be None).
@@ -76,7 +92,8 @@ def _update_forward(
       The state over all key sets so far. Each query block's rows are read, updated over the
       key blocks and written back with ``dynamic_update_slice`` (no stacked per-block output).
     """
-    B, Tp, K, G, H = qg.shape
+    B, K, G, Tp = state.m.shape
+    H = q_rows.shape[-1]
     Sp = kh.shape[2]
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, Sp // bk
@@ -85,7 +102,6 @@ def _update_forward(
     kinds = summ.kinds(cfg, nq, nk)  # [nq, nk]
     # Laid out once, block-major, so each block product is a plain row-major batched matmul:
     # s = q k^T is [B, K, R, H] x [B, K, H, bk], p v is [B, K, R, bk] x [B, K, bk, H].
-    q_rows = rows_blocks(qg, bq)  # [nq, B, K, R, H]
     k_cols = kv_cols_blocks(kh, bk)  # [nk, B, K, H, bk]
     v_rows = kv_rows_blocks(vh, bk)  # [nk, B, K, bk, H]
     orders, n_fulls, n_lives = visit_orders(kinds)  # [nq, nk], [nq], [nq]
@@ -128,7 +144,7 @@ def _update_forward(
             l=lax.dynamic_update_slice_in_dim(state.l, block.l.reshape(B, K, G, bq), i * bq, 3),
         )
 
-    axes = varying_axes(state, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
+    axes = varying_axes(state, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
     return lax.fori_loop(0, nq, one_q_block, cast_varying(state, axes))
 
 

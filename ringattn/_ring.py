@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from ringattn._blocks import round_up, window_table
+from ringattn._blocks import round_up, rows_blocks, window_table
 from ringattn._blockwise import (
     BlockSizes,
     check_block_sizes,
@@ -68,8 +68,13 @@ from ringattn._heads_major import (
     q_to_heads_major,
 )
 from ringattn._hop_format import check_hop_format, dequantize_rows, hop_row_bytes, quantize_rows
-from ringattn._kernels_backward import update_backward_heads_major
-from ringattn._kernels_forward import init_forward_state, update_forward_heads_major
+from ringattn._kernels_backward import (
+    dq_from_blocks,
+    dq_to_blocks,
+    query_blocks,
+    update_backward_blocks,
+)
+from ringattn._kernels_forward import init_forward_state, update_forward_blocks
 from ringattn._layout import LAYOUTS, shard_positions
 from ringattn._online_softmax import (
     AttentionOutput,
@@ -106,26 +111,35 @@ def _shift(x, plan: _RingPlan, offset: int):
 
 
 def _pack(arrays):
-    """Flattens arrays (``None`` allowed) into one uint8 buffer: one collective per hop."""
+    """Flattens arrays (``None`` allowed) into one buffer: one collective per hop.
+
+    The buffer's element type is the narrowest of the arrays' (float32 for float32 K/V, int8
+    for int8 hop data); a wider array is bitcast to ``[..., ratio]`` of it, which is free, and
+    comes back the same way. (A uint8 buffer made XLA:CPU rebuild every float from four bytes
+    with shifts and a reduction on each hop.)
+    """
+    present = [x for x in arrays if x is not None]
+    unit = min((x.dtype for x in present), key=lambda d: np.dtype(d).itemsize)
     parts, spec = [], []
     for x in arrays:
         spec.append(None if x is None else (x.shape, x.dtype))
         if x is not None:
-            parts.append(lax.bitcast_convert_type(x, jnp.uint8).reshape(-1))
+            parts.append(lax.bitcast_convert_type(x, unit).reshape(-1))
     return jnp.concatenate(parts), tuple(spec)
 
 
 def _unpack(buffer, spec):
     out, offset = [], 0
+    unit = np.dtype(buffer.dtype).itemsize
     for item in spec:
         if item is None:
             out.append(None)
             continue
         shape, dtype = item
-        width = np.dtype(dtype).itemsize
-        size = int(np.prod(shape)) * width
+        ratio = np.dtype(dtype).itemsize // unit
+        size = int(np.prod(shape)) * ratio
         chunk = lax.slice(buffer, (offset,), (offset + size,))
-        chunk = chunk.reshape(*shape, width) if width > 1 else chunk.reshape(shape)
+        chunk = chunk.reshape(*shape, ratio) if ratio > 1 else chunk.reshape(shape)
         out.append(lax.bitcast_convert_type(chunk, dtype))
         offset += size
     return tuple(out)
@@ -192,10 +206,12 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan: _RingPla
     cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.forward)
     qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
     block = _travelling_block(k, v, kv_pos, kv_seg, Sp, plan)
+    q_rows = rows_blocks(qg, cfg.block_q)  # block-major once, for every hop
 
     def compute(block, state, arriving):
         kh, vh, kp, ks = _arrived_block(block, plan)
-        return update_forward_heads_major(state, qg, kh, vh, qp, kp, qs, ks, windows, cfg), None
+        state = update_forward_blocks(state, q_rows, kh, vh, qp, kp, qs, ks, windows, cfg)
+        return state, None
 
     # Every hop folds into one float32 online-softmax state: no per-hop (out, lse) to merge.
     state = cast_varying(init_forward_state(qg), varying_axes(qg, *block))
@@ -221,8 +237,8 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
     dout, dlse = cotangents
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    bq, bk = plan.block_sizes.backward
-    cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, bq, bk)
+    cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.backward)
+    bq = cfg.block_q  # clamped to T
     qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
     lse_h = q_to_heads_major(lse, K, Tp)  # [B, K, G, Tp]
     dout_g = q_to_groups(dout, K, Tp)  # [B, Tp, K, G, H]
@@ -231,18 +247,19 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
     # those of attention over the dequantized K/V (straight-through for k, v).
     block = _travelling_block(k, v, kv_pos, kv_seg, Sp, plan)
     axes = varying_axes(qg, lse_h, dout_g, delta_h, *block)
+    # The query side and dq (transposed) stay block-major over every hop, laid out once.
+    qb = query_blocks(qg, lse_h, dout_g, delta_h, bq)
 
-    def compute(block, dq, arriving):
+    def compute(block, dq_t, arriving):
         kh, vh, kp, ks = _arrived_block(block, plan)
         # dK/dV of the block held at this hop: [B, K, Sp, 2H] float32, travelling with it.
         dkv = cast_varying(jnp.zeros((B, K, Sp, 2 * H), jnp.float32), axes)
         dkv = dkv if arriving is None else arriving
-        return update_backward_heads_major(
-            dq, dkv, qg, kh, vh, qp, kp, qs, ks, windows, lse_h, dout_g, delta_h, cfg
-        )
+        return update_backward_blocks(dq_t, dkv, qb, kh, vh, qp, kp, qs, ks, windows, cfg)
 
-    dq = cast_varying(jnp.zeros((B, K, N // K, Tp, H), jnp.float32), axes)
-    dq, dkv = _run_hops(plan, block, dq, compute)
+    dq_t = dq_to_blocks(jnp.zeros((B, K, N // K, Tp, H), jnp.float32), bq)
+    dq_t, dkv = _run_hops(plan, block, cast_varying(dq_t, axes), compute)
+    dq = dq_from_blocks(dq_t, N // K)
     if plan.hops:
         dkv = _shift(dkv, plan, -plan.hops)  # block (i - hops)'s gradients go home
     dk = kv_from_heads_major(dkv[..., :H], S)
