@@ -113,13 +113,16 @@ def _shift(x, plan: _RingPlan, offset: int):
 def _pack(arrays):
     """Flattens arrays (``None`` allowed) into one buffer: one collective per hop.
 
-    The buffer's element type is the narrowest of the arrays' (float32 for float32 K/V, int8
-    for int8 hop data); a wider array is bitcast to ``[..., ratio]`` of it, which is free, and
-    comes back the same way. (A uint8 buffer made XLA:CPU rebuild every float from four bytes
-    with shifts and a reduction on each hop.)
+    The buffer holds unsigned integers as wide as the narrowest array's elements (``uint32``
+    for float32 K/V, ``uint8`` for int8 hop data); each array is bitcast to it, which is free
+    at the same width (a wider one becomes ``[..., ratio]`` of it), and comes back the same
+    way. (A ``uint8`` buffer made XLA:CPU rebuild every float32 from four bytes, with shifts
+    and a reduction, on each hop. An integer buffer, not a float one: XLA:CPU's bfloat16
+    concatenate rewrites NaN payloads, which would corrupt integer ids carried in it.)
     """
     present = [x for x in arrays if x is not None]
-    unit = min((x.dtype for x in present), key=lambda d: np.dtype(d).itemsize)
+    width = min(np.dtype(x.dtype).itemsize for x in present)
+    unit = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[width]
     parts, spec = [], []
     for x in arrays:
         spec.append(None if x is None else (x.shape, x.dtype))
