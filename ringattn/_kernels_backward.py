@@ -66,31 +66,11 @@ def query_blocks(qg, lse, dout, delta, bq: int) -> QueryBlocks:
     )
 
 
-def dq_to_blocks(dq, bq: int):
-    """``dq [B, K, G, Tp, H]`` → ``dq^T`` block-major, ``[nq, B, K, H, G * bq]``."""
-    B, K, G, Tp, H = dq.shape
-    nq = Tp // bq
-    return dq.reshape(B, K, G, nq, bq, H).transpose(3, 0, 1, 5, 2, 4).reshape(nq, B, K, H, G * bq)
-
-
 def dq_from_blocks(dq_t, G: int):
-    """Inverse of :func:`dq_to_blocks`: ``[nq, B, K, H, G * bq]`` → ``[B, K, G, Tp, H]``."""
+    """``dq^T`` block-major, ``[nq, B, K, H, G * bq]`` → ``dq [B, K, G, Tp, H]``."""
     nq, B, K, H, R = dq_t.shape
     bq = R // G
     return dq_t.reshape(nq, B, K, H, G, bq).transpose(1, 2, 4, 0, 5, 3).reshape(B, K, G, nq * bq, H)
-
-
-def update_backward_heads_major(
-    dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, cfg
-):
-    """Adds one key set's gradients to ``dq [B, K, G, Tp, H]`` and ``dkv``:
-    :func:`update_backward_blocks` with the query side laid out for this call alone."""
-    bq, G = cfg.block_q, qg.shape[3]
-    qb = query_blocks(qg, lse, dout, delta, bq)
-    dq_t, dkv = update_backward_blocks(
-        dq_to_blocks(dq, bq), dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
-    )
-    return dq_from_blocks(dq_t, G), dkv
 
 
 def update_backward_blocks(
@@ -98,7 +78,7 @@ def update_backward_blocks(
 ):
     """:func:`_update_backward`, with ``vmap`` folded into the batch axis.
 
-    ``dq_t`` (:func:`dq_to_blocks`) and ``qb`` (:func:`query_blocks`) are block-major, laid
+    ``dq_t [nq, B, K, H, G * bq]`` and ``qb`` (:func:`query_blocks`) are block-major, laid
     out once for all key sets: a ring keeps them so over all its hops.
     """
     kernel = fold_vmap(
@@ -123,7 +103,7 @@ def _update_backward(
 
     Args:
       dq_t: ``[nq, B, K, H, G * bq]`` float32 accumulator of the query gradient, transposed
-        and block-major (:func:`dq_to_blocks`).
+        and block-major (:func:`dq_from_blocks` turns it into ``dq``).
       dkv: ``[B, K, Sp, 2H]`` float32 accumulator of ``concat([dk, dv], -1)`` for this key set.
       qb: the query side (:func:`query_blocks`): queries, output cotangent ``dout``, the
         log-sum-exp of the *complete* attention the gradient is for (for a ring hop, the
@@ -214,9 +194,11 @@ def backward_heads_major(
     """
     B, Tp, K, G, H = qg.shape
     Sp = kh.shape[2]
-    dq = jnp.zeros((B, K, G, Tp, H), jnp.float32)
+    bq = cfg.block_q
+    dq_t = jnp.zeros((Tp // bq, B, K, H, G * bq), jnp.float32)
     dkv = jnp.zeros((B, K, Sp, 2 * H), jnp.float32)
-    dq, dkv = update_backward_heads_major(
-        dq, dkv, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, cfg
+    qb = query_blocks(qg, lse, dout, delta, bq)
+    dq_t, dkv = update_backward_blocks(
+        dq_t, dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
     )
-    return dq, dkv[..., :H], dkv[..., H:]
+    return dq_from_blocks(dq_t, G), dkv[..., :H], dkv[..., H:]

@@ -7,10 +7,11 @@ and the keys as ``k^T`` blocks ``[nk, B, K, H, bk]``, so each block product is a
 row-major batched matmul over ``(B, K)``, with no transposed copy inside the loop. An
 unmasked block takes its row max from the raw products and forms the scaled logits only
 inside the ``exp``. Per query block, two loops with no branch visit only the live key blocks:
-the full ones (unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_orders`, once per call).
-Results accumulate in place in preallocated float32 arrays (``dynamic_update_slice`` in a
-loop), and :func:`update_forward_heads_major` folds further key sets (ring hops) into the
-same state. Block pairs are classified by :mod:`ringattn._blocks`.
+the full ones (unmasked), then the partial ones (masked; the order comes from
+:func:`ringattn._blocks.visit_orders`, once per call). Results accumulate in place in
+preallocated float32 arrays (``dynamic_update_slice`` in a loop), and
+:func:`update_forward_blocks` folds further key sets (ring hops, with ``q`` laid out once for
+all of them) into the same state. Block pairs are classified by :mod:`ringattn._blocks`.
 """
 
 import functools

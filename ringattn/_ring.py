@@ -70,7 +70,6 @@ from ringattn._heads_major import (
 from ringattn._hop_format import check_hop_format, dequantize_rows, hop_row_bytes, quantize_rows
 from ringattn._kernels_backward import (
     dq_from_blocks,
-    dq_to_blocks,
     query_blocks,
     update_backward_blocks,
 )
@@ -260,7 +259,7 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
         dkv = dkv if arriving is None else arriving
         return update_backward_blocks(dq_t, dkv, qb, kh, vh, qp, kp, qs, ks, windows, cfg)
 
-    dq_t = dq_to_blocks(jnp.zeros((B, K, N // K, Tp, H), jnp.float32), bq)
+    dq_t = jnp.zeros((Tp // bq, B, K, H, N // K * bq), jnp.float32)  # dq^T, block-major
     dq_t, dkv = _run_hops(plan, block, cast_varying(dq_t, axes), compute)
     dq = dq_from_blocks(dq_t, N // K)
     if plan.hops:
