@@ -56,11 +56,17 @@ def dslice(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def rows_blocks(x, bq: int):
-    """``[B, Tp, K, G, H]`` → ``[nq, B, K, G * bq, H]``: each query block's rows, head-grouped."""
+def rows_blocks(x, bq: int, group: int = 1):
+    """``[B, Tp, K, G, H]`` → ``[nq, B, K, G * bq, H]``: each query block's rows, head-grouped.
+
+    With ``group > 1``, ``group`` consecutive query blocks are stacked as one:
+    ``[nq // group, B, K, group * G * bq, H]``, rows ordered ``(block, head, row)``, so each
+    block of the group is a contiguous row range of it.
+    """
     B, Tp, K, G, H = x.shape
-    x = x.reshape(B, Tp // bq, bq, K, G, H).transpose(1, 0, 3, 4, 2, 5)
-    return x.reshape(Tp // bq, B, K, G * bq, H)
+    n = Tp // (bq * group)
+    x = x.reshape(B, n, group, bq, K, G, H).transpose(1, 0, 4, 2, 5, 3, 6)
+    return x.reshape(n, B, K, group * G * bq, H)
 
 
 def cols_blocks(x, bq: int):
@@ -181,6 +187,24 @@ def visit_order(kinds_row):
     n_full = jnp.sum(kinds_row == FULL).astype(jnp.int32)
     n_live = n_full + jnp.sum(kinds_row == PARTIAL).astype(jnp.int32)
     return order, n_full, n_live
+
+
+def grouped_visit_orders(kinds, group: int):
+    """Visit orders for query blocks taken ``group`` at a time where a key block is FULL for all.
+
+    For ``kinds [nq, n]`` (``nq % group == 0``), key block ``j`` is *shared* by group ``I``
+    (query blocks ``I * group .. I * group + group - 1``) when it is FULL for each of them:
+    one product over all the group's rows instead of ``group`` products. Returns
+    ``(shared_order [nq // group, n], n_shared [nq // group])``, each group's shared blocks
+    first (ascending), and ``(order, n_full, n_live)``: :func:`visit_orders` of what the
+    shared blocks leave per query block (full, then partial), so together they visit every
+    live pair exactly once. ``group = 1`` shares every FULL block, leaving the partial ones.
+    """
+    nq, n = kinds.shape
+    shared = jnp.all(kinds.reshape(nq // group, group, n) == FULL, axis=1)  # [nq // group, n]
+    shared_order, n_shared, _ = visit_orders(jnp.where(shared, FULL, EMPTY).astype(jnp.int32))
+    rest = jnp.where(jnp.repeat(shared, group, axis=0), EMPTY, kinds)
+    return (shared_order, n_shared), visit_orders(rest)
 
 
 def visit_orders(kinds):

@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from ringattn._blocks import round_up, rows_blocks, window_table
+from ringattn._blocks import round_up, window_table
 from ringattn._blockwise import (
     BlockSizes,
     check_block_sizes,
@@ -73,7 +73,7 @@ from ringattn._kernels_backward import (
     query_blocks,
     update_backward_blocks,
 )
-from ringattn._kernels_forward import init_forward_state, update_forward_blocks
+from ringattn._kernels_forward import forward_q_rows, init_forward_state, update_forward_blocks
 from ringattn._layout import LAYOUTS, shard_positions
 from ringattn._online_softmax import (
     AttentionOutput,
@@ -208,7 +208,7 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan: _RingPla
     cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.forward)
     qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
     block = _travelling_block(k, v, kv_pos, kv_seg, Sp, plan)
-    q_rows = rows_blocks(qg, cfg.block_q)  # block-major once, for every hop
+    q_rows = forward_q_rows(qg, cfg.block_q)  # block-major once, for every hop
 
     def compute(block, state, arriving):
         kh, vh, kp, ks = _arrived_block(block, plan)

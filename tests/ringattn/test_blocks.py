@@ -14,9 +14,11 @@ from ringattn._blocks import (
     PARTIAL,
     KernelConfig,
     Summaries,
+    grouped_visit_orders,
     kv_cols_blocks,
     kv_rows_blocks,
     live_range,
+    rows_blocks,
     visit_order,
     visit_orders,
 )
@@ -67,6 +69,65 @@ def test_visit_orders_is_visit_order_of_each_row_and_column(kinds):
                 order, n_full, n_live = visit_order(rows[r])
                 np.testing.assert_array_equal(orders[r], order)
                 assert (int(n_fulls[r]), int(n_lives[r])) == (int(n_full), int(n_live))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    group=st.sampled_from([1, 2, 3]),
+    data=st.data(),
+)
+def test_grouped_visit_orders_visit_every_live_pair_once(group, data):
+    n_groups = data.draw(st.integers(1, 3))
+    n = data.draw(st.integers(1, 6))
+    cell = st.sampled_from([EMPTY, FULL, PARTIAL])
+    kinds = data.draw(
+        st.lists(
+            st.lists(cell, min_size=n, max_size=n),
+            min_size=n_groups * group,
+            max_size=n_groups * group,
+        )
+    )
+    table = jnp.asarray(kinds, jnp.int32)  # [nq, n]
+    for fn in (grouped_visit_orders, jax.jit(grouped_visit_orders, static_argnums=1)):
+        (shared, n_shared), (orders, n_fulls, n_lives) = fn(table, group)
+        assert shared.shape == (n_groups, n) and n_shared.shape == (n_groups,)
+        visits = {}  # (query block, key block) -> how it is visited
+        for g in range(n_groups):
+            for j in np.asarray(shared[g, : int(n_shared[g])]).tolist():
+                for h in range(group):
+                    assert kinds[g * group + h][j] == FULL  # shared only if full for all
+                    assert (g * group + h, j) not in visits
+                    visits[(g * group + h, j)] = FULL
+        for i in range(n_groups * group):
+            nf, nl = int(n_fulls[i]), int(n_lives[i])
+            for t, j in enumerate(np.asarray(orders[i, :nl]).tolist()):
+                assert (i, j) not in visits
+                visits[(i, j)] = FULL if t < nf else PARTIAL
+        live = {(i, j): k for i, row in enumerate(kinds) for j, k in enumerate(row) if k != EMPTY}
+        assert visits == live  # every live pair once, unmasked exactly when FULL
+        # A key block full for the whole group is always shared (one product for the group).
+        for g in range(n_groups):
+            for j in range(n):
+                if all(kinds[g * group + h][j] == FULL for h in range(group)):
+                    assert j in np.asarray(shared[g, : int(n_shared[g])]).tolist()
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_rows_blocks_stacks_groups_of_query_blocks(group):
+    B, K, G, H, bq, n = 2, 3, 2, 5, 4, 2
+    Tp = n * group * bq
+    x = jnp.arange(B * Tp * K * G * H, dtype=jnp.float32).reshape(B, Tp, K, G, H)
+    single, grouped = rows_blocks(x, bq), rows_blocks(x, bq, group)
+    assert single.shape == (n * group, B, K, G * bq, H)
+    assert grouped.shape == (n, B, K, group * G * bq, H)
+    for i in range(n * group):  # block i: rows (head, row) of x's block, head-grouped
+        blk = x[:, i * bq : (i + 1) * bq]  # [B, bq, K, G, H]
+        np.testing.assert_array_equal(
+            single[i], blk.transpose(0, 2, 3, 1, 4).reshape(B, K, G * bq, H)
+        )
+        R = G * bq
+        g, h = divmod(i, group)
+        np.testing.assert_array_equal(grouped[g][:, :, h * R : (h + 1) * R], single[i])
 
 
 def test_kv_blocks_are_the_key_blocks_and_their_transposes():

@@ -1,11 +1,21 @@
 """Plumbing between the kernels and their callers: vmap folded into the batch axis (with the
-batch axis elsewhere than 0 in block-major layouts) and the ring's one-buffer hop packing."""
+batch axis elsewhere than 0 in block-major layouts), the ring's one-buffer hop packing, and the
+forward's query groups."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ringattn import (
+    BlockSizes,
+    DenseMask,
+    MaskSpec,
+    Positions,
+    SegmentIds,
+    attention_reference,
+    blockwise_attention,
+)
 from ringattn._batching import fold_vmap
 from ringattn._ring import _pack, _unpack
 
@@ -93,3 +103,81 @@ def test_hop_packing_round_trips_bitwise(dtypes):
                 jax.lax.bitcast_convert_type(b, jnp.uint8),
                 jax.lax.bitcast_convert_type(a, jnp.uint8),
             )
+
+
+# ---- the forward's query groups: two query blocks in one product where a key block is full ----
+
+
+@pytest.mark.parametrize("nq", [1, 2, 3, 4])  # odd: one block per product; even: two
+@pytest.mark.parametrize("G", [1, 2])  # rows of a group ordered (block, head, row)
+@pytest.mark.parametrize("mask", ["causal", "window", "segments", "dense"])
+def test_forward_query_groups_match_reference(nq, G, mask):
+    """Groups whose blocks see a key block differently (full for one, partial or empty for
+    the other) visit it per block; every live pair is folded exactly once, in every row
+    order, and keys no query may see (NaN here) have no effect."""
+    bq, bk, K, H = 8, 4, 2, 8
+    T = S = nq * bq
+    rng = np.random.default_rng(nq * 10 + G)
+    q = jnp.asarray(rng.standard_normal((2, T, K * G, H)), jnp.float32)
+    k = np.asarray(rng.standard_normal((2, S, K, H)), np.float32)
+    v = np.asarray(rng.standard_normal((2, S, K, H)), np.float32)
+    if mask == "causal":
+        opts = {"causal": True}
+    elif mask == "window":
+        opts = {"causal": True, "window": 6}
+    elif mask == "segments":
+        # Documents end mid-block, so a group's two blocks see a key block differently; keys
+        # of segment 9 match no query, and hold NaN.
+        q_seg = np.broadcast_to(np.arange(T) // 5, (2, T)).astype(np.int32)
+        kv_seg = q_seg.copy()
+        kv_seg[:, 1::7] = 9
+        k[kv_seg == 9] = v[kv_seg == 9] = np.nan
+        opts = {"segment_ids": SegmentIds(jnp.asarray(q_seg), jnp.asarray(kv_seg))}
+    else:
+        dense = np.tril(np.ones((T, S), bool)) & (np.arange(S)[None] % 3 != 1)
+        k[:, 1::3] = v[:, 1::3] = np.nan  # hidden from every query
+        opts = {"mask": MaskSpec(dense=DenseMask(dense))}
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    blocks = BlockSizes(block_q=bq, block_kv=bk)
+    attend = jax.jit(lambda q, k, v: blockwise_attention(q, k, v, block_sizes=blocks, **opts))
+    got, want = attend(q, k, v), attention_reference(q, k, v, **opts)
+    assert not np.isnan(np.asarray(got.out)).any()
+    np.testing.assert_allclose(got.out, want.out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got.lse, want.lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nq", [2, 3, 4])
+@pytest.mark.parametrize("G", [1, 2])
+def test_forward_query_groups_fold_several_key_sets(nq, G):
+    """A state carried over key sets (as a ring's hops) is read and written in the groups'
+    row order: two causal key sets folded one after the other equal attention over both."""
+    from ringattn._heads_major import kv_to_heads_major, make_kernel_config, q_to_groups
+    from ringattn._kernels_forward import init_forward_state, update_forward_heads_major
+    from ringattn._online_softmax import finalize_online_softmax
+
+    bq, bk, K, H, B = 8, 4, 2, 8, 2
+    T, S = nq * bq, 2 * nq * bq  # the keys come in two sets of T
+    rng = np.random.default_rng(nq + 5 * G)
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32) for _ in range(2))
+    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + T // 2, (B, T))
+    kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    cfg, Tp, _ = make_kernel_config(MaskSpec(causal=True), H, T, T, bq, bk)
+    qg = q_to_groups(q, K, Tp)
+
+    @jax.jit
+    def folded(qg, k, v):
+        state = init_forward_state(qg)
+        for half in range(2):
+            part = slice(half * T, (half + 1) * T)
+            kh, vh = kv_to_heads_major(k[:, part], T), kv_to_heads_major(v[:, part], T)
+            args = (q_pos, kv_pos[:, part], None, None, None)
+            state = update_forward_heads_major(state, qg, kh, vh, *args, cfg)
+        return finalize_online_softmax(state)
+
+    out, lse = folded(qg, k, v)  # [B, K, G, T, H], [B, K, G, T]
+    want = attention_reference(q, k, v, causal=True, positions=Positions(q_pos, kv_pos))
+    got_out = jnp.moveaxis(out, 3, 1).reshape(B, T, K * G, H)
+    got_lse = jnp.moveaxis(lse, 3, 1).reshape(B, T, K * G)
+    np.testing.assert_allclose(got_out, want.out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got_lse, want.lse, atol=1e-5, rtol=1e-5)
