@@ -187,11 +187,17 @@ def measure_blockwise(sizes: Sizes) -> dict:
             c = jax.jit(lambda f, g: f(g)).lower(pullback, 2 * out_).compile()
             fns["bwd"] = lambda c=c, f=pullback, g=2 * out_: c(f, g)
         if L == max(sizes.bwd_lengths):
-            # The kernels' block products alone (the efficiency rows' ceiling).
+            # The kernels' block products alone (the efficiency rows' ceiling), and the matmul
+            # rate again, timed in the same rounds as the rows it divides (this machine's
+            # matmul rate moved by 1.5x within minutes in one session).
             fns["matmuls_fwd"] = lambda q=q, k=k, v=v: mm_fwd(q, k, v)
             fns["matmuls_bwd"] = lambda q=q, k=k, v=v: mm_bwd(q, k, v, q)
+            fns["matmul"], matmul_flops = bench_blockwise.matmul_call(sizes.matmul_n)
         timing = _common.time_interleaved(fns, repeats=sizes.repeats)
         for name, t in timing.items():
+            if name == "matmul":
+                out["matmul_flops_interleaved"] = {str(L): matmul_flops / t.best}
+                continue
             out[name][str(L)] = t.best
         print(f"blockwise L={L}: " + ", ".join(f"{n} {_common.ms(t.best)}" for n, t in timing.items()), flush=True)  # fmt: skip
     return out
@@ -292,9 +298,11 @@ def gap_rows(results: dict, sizes: Sizes) -> list[tuple[str, float, str, bool, s
     rows = []
     bw = results["blockwise"]
     B, N, H = sizes.blockwise_shape
-    mm = bw["matmul_flops"]
     fwd, fwd_bwd = _by_length(bw["fwd"]), _by_length(bw["fwd_bwd"])
     L = max(sizes.bwd_lengths)
+    # The matmul rate timed interleaved with the rows it divides, where the run has it (runs
+    # before it had only the rate timed once at the start of the part).
+    mm = bw.get("matmul_flops_interleaved", {}).get(str(L), bw["matmul_flops"])
     r = _by_length(bw["bwd"])[L] / fwd[L]
     rows.append((
         f"blockwise backward / forward time (non-causal, T=S={_k(L)})",
@@ -306,6 +314,8 @@ def gap_rows(results: dict, sizes: Sizes) -> list[tuple[str, float, str, bool, s
     flops_f = attention_flops(L, L, N, H, False, False) * B
     eff_fb, eff_f = flops_fb / fwd_bwd[L] / mm, flops_f / fwd[L] / mm
     note_fb, note_f = f"matmul {mm / 1e9:.1f} GFLOP/s", ""
+    if "matmul_flops_interleaved" in bw:
+        note_fb += f" timed with these rows ({bw['matmul_flops'] / 1e9:.1f} at the part's start)"
     if str(L) in bw.get("matmuls_fwd", {}):  # results of runs before this row had no ceiling
         t_f, t_b = _by_length(bw["matmuls_fwd"])[L], _by_length(bw["matmuls_bwd"])[L]
         ceiling_fb, ceiling_f = flops_fb / (t_f + t_b) / mm, flops_f / t_f / mm

@@ -243,6 +243,13 @@ def test_bench_gaps_tables_from_known_numbers():
     assert "the walk's gathers alone: 0.90x" in gaps[4][4]  # the paged row's note, at 128
     assert gaps[1][4].endswith("the same block matmuls alone (no softmax): 70%")  # fwd+bwd
     assert gaps[2][4] == "the same block matmuls alone (no softmax): 125%"  # forward
+    # The matmul rate timed in the same rounds as the 256 rows replaces the part's first one.
+    results["blockwise"]["matmul_flops_interleaved"] = {"256": 2 * mm}
+    with_rate, _ = _check_gaps_tables(results)
+    assert [round(v, 6) for _, v, _, _, _ in with_rate][1:3] == [0.25, 0.5]  # half as efficient
+    assert with_rate[1][4].startswith("matmul 2.0 GFLOP/s timed with these rows (1.0 at the")
+    assert with_rate[2][4] == "the same block matmuls alone (no softmax): 62%"
+    del results["blockwise"]["matmul_flops_interleaved"]
     del results["blockwise"]["matmuls_fwd"], results["blockwise"]["matmuls_bwd"]
     older, _ = _check_gaps_tables(results)  # a run from before the ceiling was measured
     assert older[2][4] == "" and older[1][4] == "matmul 1.0 GFLOP/s"
@@ -259,6 +266,9 @@ def test_bench_gaps_parts_at_tiny_sizes():
     assert results["ring"]["grad_err"] < 1e-4
     assert len(results["blockwise"]["temp_fwd_bwd"]) == len(bench_gaps.TINY.memory_lengths)
     assert set(results["blockwise"]["matmuls_bwd"]) == {str(max(bench_gaps.TINY.bwd_lengths))}
+    assert set(results["blockwise"]["matmul_flops_interleaved"]) == {
+        str(max(bench_gaps.TINY.bwd_lengths))
+    }
     _check_gaps_tables(results)
 
 
