@@ -194,11 +194,11 @@ def measure_blockwise(sizes: Sizes) -> dict:
             fns["matmuls_bwd"] = lambda q=q, k=k, v=v: mm_bwd(q, k, v, q)
             fns["matmul"], matmul_flops = bench_blockwise.matmul_call(sizes.matmul_n)
         timing = _common.time_interleaved(fns, repeats=sizes.repeats)
+        if "matmul" in timing:
+            out["matmul_flops_interleaved"] = {str(L): matmul_flops / timing["matmul"].best}
         for name, t in timing.items():
-            if name == "matmul":
-                out["matmul_flops_interleaved"] = {str(L): matmul_flops / t.best}
-                continue
-            out[name][str(L)] = t.best
+            if name != "matmul":
+                out[name][str(L)] = t.best
         print(f"blockwise L={L}: " + ", ".join(f"{n} {_common.ms(t.best)}" for n, t in timing.items()), flush=True)  # fmt: skip
     return out
 

@@ -157,7 +157,7 @@ def _update_forward(
         s = apply_mask(s, mask).reshape(B, K, R, bk)
         return update_online_softmax(st, s, v_blk)
 
-    def rows(x, h):  # query block h of a group: rows [h * R, (h + 1) * R) of axis 2
+    def rows(x, h):  # query block h of a group: rows [h * R, (h + 1) * R) of axis 2 (W = 1: all)
         return lax.slice_in_dim(x, h * R, (h + 1) * R, axis=2)
 
     def one_group(I, state: OnlineSoftmax):
@@ -174,15 +174,14 @@ def _update_forward(
             )
 
         grp = OnlineSoftmax(acc=read(state.acc, H), m=read(state.m), l=read(state.l))
-        order = shared_orders[I]
+        shared = shared_orders[I]
         grp = lax.fori_loop(
-            0, n_shareds[I], lambda t, st: visit(q_grp, None, order[t], st, False), grp
+            0, n_shareds[I], lambda t, st: visit(q_grp, None, shared[t], st, False), grp
         )
         done = []
         for h in range(W):  # the key blocks not shared by the group, per query block
             i = I * W + h
-            q_blk = rows(q_grp, h) if W > 1 else q_grp
-            blk = OnlineSoftmax(*(rows(x, h) for x in grp)) if W > 1 else grp
+            q_blk, blk = rows(q_grp, h), OnlineSoftmax(*(rows(x, h) for x in grp))
             order, n_full, n_live = orders[i], n_fulls[i], n_lives[i]
             blk = lax.fori_loop(
                 0, n_full, lambda t, st, q=q_blk, o=order: visit(q, None, o[t], st, False), blk
@@ -194,11 +193,7 @@ def _update_forward(
                 blk,
             )
             done.append(blk)
-        grp = (
-            OnlineSoftmax(*(jnp.concatenate(xs, axis=2) for xs in zip(*done, strict=True)))
-            if W > 1
-            else done[0]
-        )
+        grp = OnlineSoftmax(*(jnp.concatenate(xs, axis=2) for xs in zip(*done, strict=True)))
         return OnlineSoftmax(
             acc=write(state.acc, grp.acc, H), m=write(state.m, grp.m), l=write(state.l, grp.l)
         )
