@@ -1,14 +1,11 @@
 """Plumbing between the kernels and their callers: vmap folded into the batch axis (with the
 batch axis elsewhere than 0 in block-major layouts), the ring's one-buffer hop packing, and the
-forward's query groups (alone and on ring hops)."""
-
-import functools
+forward's query groups (on ring hops: tests/ringattn/test_ring.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 from ringattn import (
     BlockSizes,
@@ -18,13 +15,9 @@ from ringattn import (
     SegmentIds,
     attention_reference,
     blockwise_attention,
-    from_layout,
-    sharded_attention,
-    to_layout,
 )
 from ringattn._batching import fold_vmap
 from ringattn._ring import _pack, _unpack
-from tests._util import assert_close, make_test_mesh
 
 
 def _kernel(blocks, x, y):
@@ -192,62 +185,3 @@ def test_forward_query_groups_fold_several_key_sets(nq, G):
     got_lse = jnp.moveaxis(lse, 3, 1).reshape(B, T, K * G)
     np.testing.assert_allclose(got_out, want.out, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got_lse, want.lse, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize(
-    ("layout", "opts", "axis_type"),
-    [
-        ("zigzag", {"causal": True}, AxisType.Explicit),
-        ("zigzag", {"causal": True, "window": 37}, AxisType.Auto),
-        ("contiguous", {"causal": True}, AxisType.Auto),
-        ("contiguous", {"segments": True}, AxisType.Explicit),
-    ],
-)
-def test_ring_hops_with_query_groups_match_reference(layout, opts, axis_type):
-    """Each shard holds 32 query blocks (so the forward pairs them) and folds one key set per
-    hop into the paired state: forward and gradients equal attention over the un-permuted
-    sequence, on meshes of either axis type. With ``block_kv == block_q`` a key block next
-    to the diagonal is full for one block of a pair and partial for the other, so sharing it
-    (``any`` for ``all`` in the rule) fails every case here."""
-    D, bq, bk, K, G, H, B = 4, 4, 4, 2, 2, 8, 1
-    T = D * 32 * bq
-    mesh = make_test_mesh((D,), ("seq",), axis_type=axis_type)
-    rng = np.random.default_rng(len(layout) + 3 * len(opts))
-    q = jnp.asarray(rng.standard_normal((B, T, K * G, H)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.float32) for _ in range(2))
-    dout = jnp.asarray(rng.standard_normal((B, T, K * G, H)), jnp.float32)
-    opts = dict(opts)
-    seg = None
-    if opts.pop("segments", False):
-        ids = jnp.asarray(np.broadcast_to(np.arange(T) // 45, (B, T)), jnp.int32)  # mid-block
-        seg = SegmentIds(ids, ids)
-    lay = functools.partial(to_layout, layout=layout, num_shards=D)
-    seg_l = None if seg is None else SegmentIds(lay(seg.q), lay(seg.kv))
-    blocks = BlockSizes(block_q=bq, block_kv=bk)
-
-    def ring(q, k, v):
-        out = sharded_attention(
-            lay(q),
-            lay(k),
-            lay(v),
-            mesh=mesh,
-            seq_axis="seq",
-            layout=layout,
-            segment_ids=seg_l,
-            block_sizes=blocks,
-            **opts,
-        ).out
-        return from_layout(out, layout, num_shards=D)
-
-    def ref(q, k, v):
-        return attention_reference(q, k, v, segment_ids=seg, **opts).out
-
-    def loss(f):
-        return lambda q, k, v: jnp.sum(f(q, k, v) * dout)
-
-    got, want = jax.jit(ring)(q, k, v), ref(q, k, v)
-    assert_close(got, want, dtype=jnp.float32, what="out")
-    grads = jax.jit(jax.grad(loss(ring), argnums=(0, 1, 2)))(q, k, v)
-    want_grads = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
-    for name, g, w in zip("qkv", grads, want_grads, strict=True):
-        assert_close(g, w, dtype=jnp.float32, grad=True, what=f"d{name}")
