@@ -13,7 +13,10 @@ Presses (``--press``, comma-separated for a sweep over one prefill):
   the most recent), ``h2o`` (accumulated attention of every context query), ``snapkv``
   (attention of the last ``--window`` queries, max-pooled over 7 tokens' pages), ``tova`` (the
   last query's attention), ``scissorhands`` (pivotal counts over the window): the library's
-  ``offload.RetentionPolicy`` kinds.
+  ``offload.RetentionPolicy`` kinds;
+* ``pyramidkv`` (a per-layer budget, falling linearly with depth) and ``adakv`` (a per-head
+  budget, one top-k over a layer's heads) on SnapKV's scores
+  (``examples.llama.press.select_adaptive``).
 
 Modes (``--mode``): ``agnostic`` (default, kvpress's): the context is compressed before the
 question arrives, the question is then read over what is left; ``aware``: context and
@@ -44,7 +47,7 @@ import sys
 
 import numpy as np
 
-PRESSES = ("none", "recency", "streaming", "h2o", "snapkv", "tova", "scissorhands")
+PRESSES = ("none", "recency", "streaming", "h2o", "snapkv", "tova", "scissorhands", "pyramidkv", "adakv")  # fmt: skip
 NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48,
               "niah_multiquery": 48, "variable_tracking": 32, "common_words": 64}  # fmt: skip
 SNAPKV_POOL_TOKENS = 7
@@ -150,14 +153,20 @@ def main(argv=None) -> list[dict]:
                                kv_format=fmt)  # fmt: skip
         for press, ratio in combos:
             keep = None
-            if press != "none":
+            if press in ("pyramidkv", "adakv"):
+                keep = presslib.select_adaptive(
+                    pre, press, ratio, num_kv_heads=model.cfg.num_kv_heads,
+                    recent=max(1, window // args.page_size),
+                    pool_size=max(1, SNAPKV_POOL_TOKENS // args.page_size) | 1,
+                )  # fmt: skip
+            elif press != "none":
                 keep = presslib.select_pages(pre, make_policy(press, ratio, args.page_size, window))
             ans = presslib.answer(model, pre, keep, forced, new, mode=args.residency)
             text = tok.decode([int(t) for t in ans.tokens])
             scores[(press, ratio)].append(_ruler.score(sample, text))
             stats[(press, ratio)].append((pre.seconds, ans))
             print(f"# sample {i} {press} {ratio}: score {scores[(press, ratio)][-1]:.2f} "
-                  f"kept {ans.kept_pages}/{ans.live_pages} pages, {text!r}", flush=True)  # fmt: skip
+                  f"kept {ans.kept_pages:g}/{ans.live_pages} pages, {text!r}", flush=True)  # fmt: skip
     results = []
     for press, ratio in combos:
         s, st = scores[(press, ratio)], stats[(press, ratio)]

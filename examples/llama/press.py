@@ -36,7 +36,15 @@ import offload
 import paged
 from examples.llama.model import Llama
 
-__all__ = ["Answer", "Prefilled", "answer", "prefill", "pool_bytes", "select_pages"]
+__all__ = [
+    "Answer",
+    "Prefilled",
+    "answer",
+    "pool_bytes",
+    "prefill",
+    "select_adaptive",
+    "select_pages",
+]
 
 
 class Prefilled(NamedTuple):
@@ -44,9 +52,9 @@ class Prefilled(NamedTuple):
 
     Attributes:
       cache: ``paged.PagedKVCache``, one row; slot ``j`` of its table holds page ``j + 1``.
-      prompt_mass: ``[N, M]`` float32 attention probability per page, summed over every
-        prompt query and layer.
-      window_mass: ``[W, N, M]`` float32 the same for each of the last ``W`` queries.
+      prompt_mass: ``[L, N, M]`` float32 attention probability per layer, query head and
+        page, summed over every prompt query.
+      window_mass: ``[W, L, N, M]`` float32 the same for each of the last ``W`` queries.
       length: tokens in the cache.
       seconds: wall time of the prefill (time to first token, without the answer).
     """
@@ -63,7 +71,8 @@ class Answer(NamedTuple):
 
     Attributes:
       tokens: ``[max_new]`` int32 greedy tokens.
-      kept_pages: prompt pages read from the device.
+      kept_pages: prompt pages read from the device (the mean over layers and kv heads
+        for a per-layer or per-head selection).
       live_pages: prompt pages before the press.
       device_bytes: bytes of the device pools the answer read (kept + new pages, measured
         from the arrays; the full pool's bytes when nothing was freed).
@@ -73,7 +82,7 @@ class Answer(NamedTuple):
     """
 
     tokens: np.ndarray
-    kept_pages: int
+    kept_pages: float
     live_pages: int
     device_bytes: int
     full_bytes: int
@@ -88,24 +97,25 @@ def pool_bytes(*pools) -> int:
 
 def _forward(model: Llama, cache, tokens, positions, attend, count=None):
     """The model over ``tokens [B, T]``, each layer's K/V written first (``count`` real tokens
-    per row); ``attend(q, cache, layer) -> (out, page_mass | None)``. Returns
-    ``(logits [B, T, V], cache, mass summed over layers)``."""
+    per row); ``attend(q, cache, layer) -> (out, page_mass [..., N, M] | None)``. Returns
+    ``(logits [B, T, V], cache, masses [..., L, N, M] | None)``."""
     x = model.embed_inputs(tokens)
-    mass = 0.0
+    masses = []
     for layer, block in enumerate(model.blocks):
         q, k, v = block.attn.project(block.attn_norm(x), positions)
         cache = paged.write_layer(cache, layer, k, v, positions[:, 0], count=count)
         out, m = attend(q, cache, layer)
-        mass = mass + (0.0 if m is None else m)
+        masses.append(m)
         x = x + block.attn.output(out)
         x = x + block.mlp(block.mlp_norm(x))
+    mass = None if masses[0] is None else jnp.stack(masses, axis=-3)  # [..., L, N, M]
     return model.logits(x), cache, mass
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _prefill_chunk(graphdef, state, cache, tokens, start, per_query: bool, n):
     """``tokens [1, T]`` at positions ``start ...``, ``n`` of them real. Returns
-    ``(cache, mass)``: ``[N, M]`` summed over the queries, or ``[T, N, M]`` per query."""
+    ``(cache, mass)``: ``[L, N, M]`` summed over the queries, or ``[T, L, N, M]`` per query."""
     model = nnx.merge(graphdef, state)
     T = tokens.shape[1]
     positions = start + jnp.arange(T, dtype=jnp.int32)[None]
@@ -175,29 +185,100 @@ def select_pages(pre: Prefilled, policy: offload.RetentionPolicy) -> np.ndarray:
     M = pre.cache.page_table.shape[1]
     state = offload.init_policy_state(1, M, policy=policy)
     update = functools.partial(offload.update_policy_state, policy=policy)
+    prompt, window = pre.prompt_mass.sum(0), pre.window_mass.sum(1)  # over layers
     if policy.kind == "h2o":
-        state = update(state, pre.prompt_mass[None])
+        state = update(state, prompt[None])
     elif policy.kind == "snapkv":
-        state = update(state, pre.window_mass.sum(0)[None])
+        state = update(state, window.sum(0)[None])
     elif policy.kind == "tova":
-        state = update(state, pre.window_mass[-1][None])
+        state = update(state, window[-1][None])
     elif policy.kind == "scissorhands":
-        for w in range(pre.window_mass.shape[0]):
-            state = update(state, pre.window_mass[w][None])
+        for w in range(window.shape[0]):
+            state = update(state, window[w][None])
     sel = offload.select_keep(state, pre.cache.lengths, policy=policy, page_table=pre.cache.page_table)  # fmt: skip
     return np.asarray(sel.keep[0])
 
 
+def select_adaptive(pre: Prefilled, kind: str, ratio: float, *, num_kv_heads: int,
+                    recent: int = 1, pool_size: int = 1, beta: float = 20.0,
+                    floor: float = 0.2) -> np.ndarray:  # fmt: skip
+    """``keep [L, K, M]`` bool: SnapKV's scores with a budget that adapts per layer or head.
+
+    Scores are the observation window's attention mass per layer and kv head (the group's
+    query heads summed), max-pooled over ``pool_size`` pages; the last ``recent`` live pages
+    are always kept. Of the ``L * K * n_live`` (layer, head, page) units, the fraction
+    ``1 - ratio`` is kept:
+
+    * ``"pyramidkv"`` (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on
+      Pyramidal Information Funneling"): layer ``l`` keeps a budget falling linearly from the
+      first layer to the last, the last keeping ``1 / beta`` of the mean, the total unchanged;
+      every head of a layer keeps the same pages.
+    * ``"adakv"`` (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
+      Allocation"): each layer's budget (the mean) is shared among its heads by one top-k
+      over all of them, each head keeping at least ``floor`` of the mean (Ada-KV's safeguard).
+    """
+    if kind not in ("pyramidkv", "adakv"):
+        raise ValueError(f"select_adaptive: kind: expected 'pyramidkv' or 'adakv', got {kind!r}")  # fmt: skip
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"select_adaptive: ratio: expected a fraction removed in [0, 1), got {ratio}")  # fmt: skip
+    window = np.asarray(pre.window_mass.sum(0), np.float64)  # [L, N, M]
+    L, N, M = window.shape
+    K = num_kv_heads
+    if N % K:
+        raise ValueError(f"select_adaptive: num_kv_heads: expected a divisor of {N}, got {K}")
+    scores = window.reshape(L, K, N // K, M).sum(2)  # [L, K, M]
+    if pool_size > 1:
+        pad = pool_size // 2
+        padded = np.pad(scores, ((0, 0), (0, 0), (pad, pad)))
+        scores = np.max(np.stack([padded[..., i : i + M] for i in range(pool_size)]), axis=0)
+    n_live = -(-pre.length // pre.cache.page_size)
+    live = np.arange(M) < n_live
+    forced = live & (np.arange(M) >= n_live - recent)
+    scores = np.where(forced, np.inf, np.where(live, scores, -np.inf))
+    mean = max(1, round((1.0 - ratio) * n_live))
+    keep = np.zeros((L, K, M), bool)
+    if kind == "pyramidkv":
+        low = mean / beta
+        high = 2 * mean - low
+        budgets = np.rint(high - (high - low) * np.arange(L) / max(L - 1, 1)).astype(int)
+        for l in range(L):
+            top = np.argsort(-scores[l].sum(0), kind="stable")[: min(max(budgets[l], recent), n_live)]  # fmt: skip
+            keep[l, :, top] = True
+    else:
+        least = min(n_live, max(recent, int(np.ceil(floor * mean))))
+        for l in range(L):
+            order = np.argsort(-scores[l], axis=1, kind="stable")  # [K, M]
+            for k in range(K):
+                keep[l, k, order[k, :least]] = True
+            rest = np.where(keep[l], -np.inf, scores[l]).ravel()
+            extra = max(0, mean * K - keep[l].sum())
+            keep[l].ravel()[np.argsort(-rest, kind="stable")[:extra]] = True
+    return keep & live
+
+
 @functools.partial(jax.jit, static_argnums=(0, 8))
-def _answer(graphdef, state, cache, table, forced, n_forced, start, cold, max_new: int):
+def _answer(graphdef, state, cache, tables, forced, n_forced, start, cold, max_new: int):
     """``forced [1, T]`` (``n_forced`` real) at ``start``, then ``max_new`` greedy tokens;
-    attention reads ``table`` (0 = absent) and, with ``cold = (cold_table, k, v)``, the cold
-    pool. Returns ``tokens [max_new]``."""
+    layer ``l``'s kv head ``k`` reads ``tables[l, k] [1, M]`` (0 = absent; ``tables`` is
+    ``[L, 1, 1, M]`` when every head reads the same pages) and, with
+    ``cold = (cold_table, k, v)``, the cold pool. Returns ``tokens [max_new]``."""
     model = nnx.merge(graphdef, state)
+    per_head = tables.shape[1] > 1
 
     def attend_fn(lengths, q_positions):
         def attend(q, cache, layer):
             k, v = cache.k_pages[layer], cache.v_pages[layer]
+            if per_head:  # one walk per kv head, each over its own pages
+                G = q.shape[2] // tables.shape[1]
+                outs = [
+                    paged.paged_attention(
+                        q[:, :, h * G : (h + 1) * G], _head(k, h), _head(v, h),
+                        tables[layer, h], lengths, q_positions=q_positions,
+                    ).out
+                    for h in range(tables.shape[1])
+                ]  # fmt: skip
+                return jnp.concatenate(outs, axis=2), None
+            table = tables[layer, 0]
             if cold is None:
                 res = paged.paged_attention(q, k, v, table, lengths, q_positions=q_positions)
             else:
@@ -227,14 +308,27 @@ def _answer(graphdef, state, cache, table, forced, n_forced, start, cold, max_ne
     return out
 
 
+def _head(pool, h: int):
+    """Kv head ``h`` of a layer's pool ``[K, P, C, H]`` as a one-head pool ``[1, P, C, H]``."""
+    if isinstance(pool, paged.QuantizedPages):
+        take = lambda a: None if a is None else a[h : h + 1]
+        return dataclasses.replace(pool, data=take(pool.data), scale=take(pool.scale), zero=take(pool.zero))  # fmt: skip
+    return pool[h : h + 1]
+
+
 def _take_pages(pool, ids: np.ndarray):
-    """The pool ``[L, K, P, C, H]`` (or ``QuantizedPages``) restricted to pages ``ids``."""
+    """The pool ``[L, K, P, C, H]`` (or ``QuantizedPages``) restricted to pages ``ids``:
+    ``[P']`` the same for every layer and head, or ``[L, K, P']`` one list each."""
+    ids = jnp.asarray(ids)
+    if ids.ndim == 1:
+        take = lambda a: None if a is None else a[:, :, ids]
+    else:
+        take = lambda a: None if a is None else jnp.take_along_axis(a, ids.reshape(ids.shape + (1,) * (a.ndim - 3)), axis=2)  # fmt: skip
     if isinstance(pool, paged.QuantizedPages):
         if pool.format.kind == "kivi2":
             raise NotImplementedError("answer: freeing kivi2 pages (their residual window is per row)")  # fmt: skip
-        take = lambda a: None if a is None else a[:, :, ids]
         return dataclasses.replace(pool, data=take(pool.data), scale=take(pool.scale), zero=take(pool.zero))  # fmt: skip
-    return pool[:, :, ids]
+    return take(pool)
 
 
 def _bucket(size: int, smallest: int) -> int:
@@ -247,7 +341,9 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
            max_new: int, *, mode: str = "drop", bucket: int = 64,
            page_bucket: int = 8) -> Answer:  # fmt: skip
     """Continues ``pre`` with the ``forced`` tokens, then ``max_new`` greedy tokens, reading
-    the prompt pages ``keep [M]`` (None: all) from the device.
+    the prompt pages ``keep`` from the device: ``[M]`` for every layer and head (None: all),
+    ``[L, M]`` per layer or ``[L, K, M]`` per layer and kv head (:func:`select_adaptive`;
+    each head then walks its own pages).
 
     ``mode="drop"``: the other prompt pages are freed: the kept pages and the pages the
     answer writes are gathered into a smaller pool (the device bytes of :class:`Answer`).
@@ -265,22 +361,32 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
     if not len(forced):
         raise ValueError("answer: forced: expected at least one token (for a query-aware run: the prompt's last token)")  # fmt: skip
     cache, C, n = pre.cache, pre.cache.page_size, pre.length
+    L, K = cache.k_pages.shape[:2]
     M = cache.page_table.shape[1]
     if n + len(forced) + max_new > M * C:
         raise ValueError(f"answer: forced + max_new: {len(forced)} + {max_new} tokens do not fit the capacity {M * C} after {n}")  # fmt: skip
     live_n = -(-n // C)
     live = np.arange(M) < live_n
-    keep = live.copy() if keep is None else np.asarray(keep, bool) & live
-    if keep.shape != (M,):
-        raise ValueError(f"answer: keep: expected [{M}] bool, got shape {keep.shape}")
+    keep = np.ones(M, bool) if keep is None else np.asarray(keep, bool)
+    if keep.shape not in ((M,), (L, M), (L, K, M)):
+        raise ValueError(f"answer: keep: expected [{M}], [{L}, {M}] or [{L}, {K}, {M}] bool, got shape {keep.shape}")  # fmt: skip
+    keep = keep[None, None] if keep.ndim == 1 else keep[:, None] if keep.ndim == 2 else keep
+    keep = np.broadcast_to(keep, (L, K, M)) & live
+    uniform = bool((keep == keep[:1, :1]).all())
+    per_head = not bool((keep == keep[:, :1]).all())
+    if mode == "demote" and not uniform:
+        raise NotImplementedError("answer: mode='demote' with a per-layer or per-head selection")
+    # Slots every layer and head keeps in the same place: the open page (the answer writes
+    # into it) and the slots still to be written. They get the same compact ids everywhere.
+    common = np.arange(M) >= live_n
     if n % C:
-        keep[n // C] = True  # the open page: the answer writes into it
-    future = np.arange(M) >= live_n
-    resident = keep | future  # slots whose pages stay on the device
+        common[n // C] = True
+    keep = keep | (common & live)
     full_bytes = pool_bytes(cache.k_pages, cache.v_pages)
     t0 = time.perf_counter()
     moved, cold = 0, None
-    absent_ids = np.nonzero(live & ~keep)[0] + 1  # page of slot j is j + 1
+    absent = live & ~keep[0, 0]
+    absent_ids = np.nonzero(absent)[0] + 1  # page of slot j is j + 1
     if mode == "demote" and absent_ids.size:
         host = offload.make_host_page_pool(cache.k_pages, cache.v_pages, M + 1)
         manager = offload.OffloadManager(host)
@@ -292,26 +398,44 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
         back = manager.page_in(empty(cache.k_pages), empty(cache.v_pages), np.arange(1, absent_ids.size + 1), request_id="press")  # fmt: skip
         cold_k, cold_v = manager.wait(back)
         cold_table = np.zeros((1, M), np.int32)
-        cold_table[0, live & ~keep] = np.arange(1, absent_ids.size + 1)
+        cold_table[0, absent] = np.arange(1, absent_ids.size + 1)
         cold = (jnp.asarray(cold_table), cold_k, cold_v)
         moved = int(out.nbytes + back.nbytes)
-    # Free what is not resident: gather the resident pages into a compact pool.
-    ids = np.concatenate([[0], np.nonzero(resident)[0] + 1]).astype(np.int32)
-    ids = np.pad(ids, (0, -ids.size % _bucket(ids.size, page_bucket)))  # fewer compiles
-    table = np.zeros((1, M), np.int32)
-    table[0, resident] = np.arange(1, resident.sum() + 1)
-    if resident.all():
-        k_pages, v_pages = cache.k_pages, cache.v_pages
+    # Free what is not resident: gather each (layer, head)'s resident pages into a compact
+    # pool, the common slots first (ids 1..F everywhere), then its kept prompt pages.
+    n_common = int(common.sum())
+    own = keep & ~common  # [L, K, M]
+    size = 1 + n_common + int(own.sum(-1).max())
+    size += -size % _bucket(size, page_bucket)  # few distinct sizes: fewer compiles
+    tables = np.zeros((L, K, M), np.int32)
+    tables[:, :, common] = np.arange(1, n_common + 1)
+    ids = np.zeros((L, K, size), np.int32)
+    ids[:, :, 1 : n_common + 1] = np.nonzero(common)[0] + 1
+    for l in range(L):
+        for h in range(K):
+            slots = np.nonzero(own[l, h])[0]
+            tables[l, h, slots] = np.arange(n_common + 1, n_common + 1 + slots.size)
+            ids[l, h, n_common + 1 : n_common + 1 + slots.size] = slots + 1
+    write_table = np.where(common, tables[0, 0], 0)[None]
+    if (keep | common).all() and cold is None:  # nothing to free
+        k_pages, v_pages, tables = cache.k_pages, cache.v_pages, np.broadcast_to(cache.page_table, (L, K, M))  # fmt: skip
+        write_table = cache.page_table
+    elif uniform:
+        k_pages, v_pages = _take_pages(cache.k_pages, ids[0, 0]), _take_pages(cache.v_pages, ids[0, 0])  # fmt: skip
     else:
         k_pages, v_pages = _take_pages(cache.k_pages, ids), _take_pages(cache.v_pages, ids)
     small = cache._replace(k_pages=k_pages, v_pages=v_pages)
-    small = paged.with_page_table(small, table, np.array([n], np.int32))
+    small = paged.with_page_table(small, np.asarray(write_table), np.array([n], np.int32))
+    tables = np.asarray(tables)[:, :, None, :]  # [L, K, 1, M]
+    if not per_head:
+        tables = tables[:, :1]
     device_bytes = pool_bytes(k_pages, v_pages) + (0 if cold is None else pool_bytes(cold[1], cold[2]))  # fmt: skip
     T = bucket * -(-max(len(forced), 1) // bucket)
     padded = np.zeros((1, T), np.int32)
     padded[0, : len(forced)] = forced
     graphdef, state = nnx.split(model)
-    tokens = _answer(graphdef, state, small, jnp.asarray(table), jnp.asarray(padded), jnp.int32(len(forced)), jnp.int32(n), cold, max_new)  # fmt: skip
+    tokens = _answer(graphdef, state, small, jnp.asarray(tables), jnp.asarray(padded), jnp.int32(len(forced)), jnp.int32(n), cold, max_new)  # fmt: skip
     tokens = np.asarray(tokens)
     seconds = time.perf_counter() - t0
-    return Answer(tokens, int((keep & live).sum()), int(live_n), device_bytes, full_bytes, moved, seconds)  # fmt: skip
+    kept = float((keep & live).sum()) / (L * K)  # mean over layers and heads
+    return Answer(tokens, kept, int(live_n), device_bytes, full_bytes, moved, seconds)

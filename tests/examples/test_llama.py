@@ -359,13 +359,13 @@ def pressed():
     pre = press.prefill(model, ctx, capacity=128, page_size=8, window=4, chunk=16)
     keep = press.select_pages(pre, offload.RetentionPolicy("snapkv", 0.5, page_size=8, recent=1))
     want = generate_dense(model, ctx + question, 5, attention.dense())
-    return model, pre, keep, question, want
+    return model, pre, keep, question, want, ctx
 
 
 def test_press_full_budget_and_demotion_are_exact(pressed):
     from examples.llama import press
 
-    model, pre, keep, question, want = pressed
+    model, pre, keep, question, want, _ = pressed
     assert 0 < keep.sum() < 6  # the policy removed pages
     full = press.answer(model, pre, None, question, 5, bucket=8)
     np.testing.assert_array_equal(full.tokens, want)
@@ -378,7 +378,7 @@ def test_press_full_budget_and_demotion_are_exact(pressed):
 def test_press_drop_frees_pages_and_never_reads_them(pressed):
     from examples.llama import press
 
-    model, pre, keep, question, want = pressed
+    model, pre, keep, question, want, _ = pressed
     dropped = press.answer(model, pre, keep, question, 5, bucket=8)
     assert dropped.device_bytes < dropped.full_bytes
     # 17 pages before (16 slots + null); after: null + the kept + the 10 slots still to be
@@ -400,7 +400,7 @@ def test_press_checks(pressed):
     import offload
     from examples.llama import press
 
-    model, pre, keep, question, _ = pressed
+    model, pre, keep, question, _, _ = pressed
     with pytest.raises(ValueError, match="mode: expected 'drop' or 'demote'"):
         press.answer(model, pre, keep, question, 5, mode="evict")
     with pytest.raises(ValueError, match="forced: expected at least one token"):
@@ -467,3 +467,61 @@ def test_bench_ruler_command_prints_one_json_line(tmp_path):
     assert {"task", "length", "press", "ratio", "samples", "score"} <= set(result)
     assert result["press"] == "snapkv" and result["ratio"] == 0.5 and 0 <= result["score"] <= 1
     assert result["device_bytes"] < result["full_bytes"]
+
+
+def masked_dense_greedy(model, prompt, forced, steps, keep, page_size):
+    """The oracle of a per-(layer, kv head) selection: greedy decoding by recomputing the
+    whole sequence, where queries past the prompt cannot see the prompt keys of pages their
+    layer and kv head dropped (``keep [L, K, M]``); prompt queries see everything."""
+    n = len(prompt)
+    keep_tok = np.repeat(keep, page_size, axis=-1)[..., :n]  # [L, K, n]
+    tokens = list(prompt) + list(forced)
+
+    def attend_layers():
+        layer = iter(range(keep.shape[0]))
+
+        def attend(q, k, v, positions):
+            l = next(layer)
+            B, T, N, H = q.shape
+            K = k.shape[2]
+            s = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, H), k) / np.sqrt(H)
+            t_idx, s_idx = np.arange(T)[:, None], np.arange(T)[None, :]
+            seen = np.ones((K, T, T), bool)
+            seen[:, n:, :n] = keep_tok[l][:, None, :]  # continuation queries, prompt keys
+            visible = (s_idx <= t_idx)[None] & seen  # [K, T, S]
+            s = jnp.where(visible[None, :, None], s, -jnp.inf)
+            p = jax.nn.softmax(s, axis=-1)
+            return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(B, T, N, H)
+
+        return attend
+
+    out = []
+    for _ in range(steps):
+        ids = jnp.asarray(tokens, jnp.int32)[None]
+        logits = model(ids, jnp.arange(len(tokens))[None], attend_layers())
+        tokens.append(int(jnp.argmax(logits[0, -1])))
+        out.append(tokens[-1])
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("kind", ["pyramidkv", "adakv"])
+def test_adaptive_presses_budgets_and_answers_against_masked_dense(pressed, kind):
+    from examples.llama import press
+
+    model, pre, _, question, _, ctx = pressed
+    keep = press.select_adaptive(pre, kind, 0.5, num_kv_heads=TINY.num_kv_heads, recent=1)
+    L, K, M = keep.shape
+    assert (L, K, M) == (TINY.num_layers, TINY.num_kv_heads, 16)
+    assert not keep[..., 6:].any() and keep[..., 5].all()  # nothing past the prompt; recent kept
+    per_layer_head = keep.sum(-1)
+    if kind == "pyramidkv":
+        assert (keep == keep[:, :1]).all()  # heads of a layer agree
+        assert per_layer_head[0, 0] >= per_layer_head[-1, 0]  # the pyramid
+    else:
+        assert (per_layer_head.sum(1) == 3 * K).all()  # each layer: the mean budget (3) x heads
+        assert (per_layer_head >= 1).all()
+    got = press.answer(model, pre, keep, question, 4, bucket=8)
+    np.testing.assert_array_equal(got.tokens, masked_dense_greedy(model, ctx, question, 4, keep, 8))
+    # The oracle can tell selections apart: keeping every page gives other tokens here.
+    full = masked_dense_greedy(model, ctx, question, 4, np.ones_like(keep), 8)
+    assert not np.array_equal(got.tokens, full)

