@@ -1,6 +1,8 @@
 """The RULER-style task generator of ``benchmarks.bench_ruler``: reproducible from a seed, at
 most the asked length, every expected answer in the context, RULER's scoring."""
 
+import json
+
 import pytest
 
 from benchmarks import _ruler, bench_ruler
@@ -43,3 +45,26 @@ def test_checks_and_the_interval():
         bench_ruler.parse(["--press", "kvzip"])
     policy = bench_ruler.make_policy("snapkv", 0.75, 16, 32)
     assert policy.budget == 0.25 and policy.recent == 2 and policy.pool_size == 1
+
+
+def test_report_tables_and_figure_from_json_lines(tmp_path):
+    from benchmarks import ruler_report
+
+    def row(press, ratio, score, **kw):
+        r = {"task": "niah_single", "length": 2048, "press": press, "ratio": ratio,
+             "samples": 4, "score": score, "ci95": list(bench_ruler.wilson(4 * score, 4)),
+             "mode": "agnostic", "residency": "drop", "page_size": 16, "kv_format": "float32",
+             "seed": 0, "kept_fraction": 1 - ratio, "device_bytes": 50, "full_bytes": 100,
+             "moved_bytes": 0, "prefill_s": 1.0, "answer_s_per_token": 0.1}  # fmt: skip
+        return {**r, **kw}
+
+    lines = [row("none", 0.0, 1.0), row("snapkv", 0.5, 0.75), row("snapkv", 0.5, 0.5),
+             row("recency", 0.5, 0.0), row("none", 0.0, 0.25, kv_format="int4")]  # fmt: skip
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    ruler_report.main(["--jsonl", str(path)])
+    text = (tmp_path / "ruler.md").read_text()
+    assert "| snapkv | 50 [" in text  # the later line of a repeated configuration wins
+    assert "| recency | 0 [0-49] (n=4) |" in text and "Full KV: 100 [" in text
+    assert "| niah_single | none | 0 | agnostic | drop | 16 | int4 | 25 [" in text
+    assert (tmp_path / "ruler.png").stat().st_size > 10_000

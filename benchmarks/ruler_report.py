@@ -1,0 +1,143 @@
+"""Tables and figures from ``bench_ruler``'s JSON lines (``--out FILE.jsonl``).
+
+    python -m benchmarks.ruler_report [--jsonl benchmarks/results/ruler/sweep.jsonl]
+
+writes ``ruler.md`` (per task: score per press and ratio removed, with the samples and 95%
+intervals; the quantized formats; page sizes; modes) and ``ruler.png`` (score against the
+ratio removed per press, averaged over the tasks, as kvpress's leaderboard plots it; and a
+task x press heat map at one ratio) beside the JSON lines file. Every row comes from a line
+of the file, each line from one ``bench_ruler`` command.
+"""
+
+import argparse
+import collections
+import json
+import pathlib
+
+import numpy as np
+
+DEFAULT = pathlib.Path(__file__).resolve().parent / "results" / "ruler" / "sweep.jsonl"
+
+
+def load(path: pathlib.Path) -> list[dict]:
+    """The JSON lines, the last of any repeated configuration winning."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            key = tuple(r[k] for k in ("task", "length", "press", "ratio", "mode", "residency", "page_size", "kv_format"))  # fmt: skip
+            rows[key] = r
+    return list(rows.values())
+
+
+def _is_base(r: dict) -> bool:
+    return r["mode"] == "agnostic" and r["residency"] == "drop" and r["page_size"] == 16 and r["kv_format"] == "float32"  # fmt: skip
+
+
+def _cell(r: dict) -> str:
+    lo, hi = r["ci95"]
+    return f"{100 * r['score']:.0f} [{100 * lo:.0f}-{100 * hi:.0f}] (n={r['samples']})"
+
+
+def tables(rows: list[dict]) -> list[str]:
+    lines = []
+    base = [r for r in rows if _is_base(r)]
+    for task in sorted({r["task"] for r in base}):
+        sub = [r for r in base if r["task"] == task]
+        length = sub[0]["length"]
+        ratios = sorted({r["ratio"] for r in sub if r["press"] != "none"})
+        full = [r for r in sub if r["press"] == "none"]
+        lines += [f"### {task} at {length} tokens (score %, 95% interval, samples)", ""]
+        if full:
+            lines += [f"Full KV: {_cell(full[0])}.", ""]
+        lines += ["| press | " + " | ".join(f"{r:g} removed" for r in ratios) + " |",
+                  "|---|" + "---:|" * len(ratios)]  # fmt: skip
+        by = {(r["press"], r["ratio"]): r for r in sub}
+        for press in sorted({r["press"] for r in sub} - {"none"}):
+            cells = [_cell(by[(press, q)]) if (press, q) in by else "-" for q in ratios]
+            lines.append(f"| {press} | " + " | ".join(cells) + " |")
+        lines.append("")
+    other = [r for r in rows if not _is_base(r)]
+    if other:
+        lines += ["### Formats, page sizes, modes and residency", "",
+                  "| task | press | ratio | mode | residency | page size | KV format | score | kept | device bytes / full | moved MiB | prefill s | answer s/token |",
+                  "|---|---|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in sorted(other, key=lambda r: (r["task"], r["kv_format"], r["page_size"], r["mode"], r["press"], r["ratio"])):  # fmt: skip
+            lines.append(
+                f"| {r['task']} | {r['press']} | {r['ratio']:g} | {r['mode']} | {r['residency']} | "
+                f"{r['page_size']} | {r['kv_format']} | {_cell(r)} | {r['kept_fraction']:.2f} | "
+                f"{r['device_bytes'] / r['full_bytes']:.2f} | {r['moved_bytes'] / 2**20:.0f} | "
+                f"{r['prefill_s']:.1f} | {r['answer_s_per_token']:.3f} |"
+            )  # fmt: skip
+        lines.append("")
+    return lines
+
+
+def figure(rows: list[dict], path: pathlib.Path, ratio: float = 0.75) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = [r for r in rows if _is_base(r)]
+    tasks = sorted({r["task"] for r in base})
+    full = {r["task"]: r["score"] for r in base if r["press"] == "none"}
+    curves = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in base:
+        if r["press"] != "none":
+            curves[r["press"]][r["ratio"]].append(r["score"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if full:
+        a.axhline(100 * np.mean(list(full.values())), color="k", ls="--", label="full KV")
+    for press, pts in sorted(curves.items()):
+        xs = sorted(pts)
+        a.plot(xs, [100 * np.mean(pts[x]) for x in xs], marker="o", label=press)
+    a.set_xlabel("ratio of the context's KV removed")
+    a.set_ylabel("score (%), mean over tasks")
+    a.set_title("SmolLM2-135M, RULER-style tasks, question-agnostic")
+    a.legend(fontsize=8)
+    presses = sorted(curves)
+    grid = np.full((len(tasks), len(presses)), np.nan)
+    by = {(r["task"], r["press"]): r["score"] for r in base if r["ratio"] == ratio}
+    for i, t in enumerate(tasks):
+        for j, p in enumerate(presses):
+            grid[i, j] = 100 * by.get((t, p), np.nan)
+    im = b.imshow(grid, vmin=0, vmax=100, cmap="viridis")
+    b.set_xticks(range(len(presses)), presses, rotation=45, ha="right")
+    b.set_yticks(range(len(tasks)), tasks)
+    for i in range(len(tasks)):
+        for j in range(len(presses)):
+            if not np.isnan(grid[i, j]):
+                b.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color="w", fontsize=8)
+    b.set_title(f"score (%) with {ratio:g} of the KV removed")
+    fig.colorbar(im, ax=b, fraction=0.03)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--jsonl", type=pathlib.Path, default=DEFAULT)
+    args = p.parse_args(argv)
+    rows = load(args.jsonl)
+    commands = sorted({f"--task {r['task']} --length {r['length']} --seed {r['seed']}" for r in rows})  # fmt: skip
+    text = [
+        "# RULER-style quality of KV presses on SmolLM2-135M-Instruct",
+        "",
+        f"From `{args.jsonl.name}` ({len(rows)} configurations), each line written by "
+        "`python -m benchmarks.bench_ruler ... --out` (see `bench_ruler --help`); the runs: "
+        + "; ".join(f"`{c}`" for c in commands) + ". Tables: `python -m benchmarks.ruler_report`.",
+        "",
+        "Scores are RULER's (the fraction of expected strings in the greedy answer), in %, with",
+        "the 95% Wilson interval over the samples; 'removed' is kvpress's compression ratio.",
+        "",
+        *tables(rows),
+    ]  # fmt: skip
+    out = args.jsonl.with_name("ruler.md")
+    out.write_text("\n".join(text).rstrip() + "\n")
+    figure(rows, args.jsonl.with_name("ruler.png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
