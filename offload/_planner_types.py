@@ -460,17 +460,28 @@ class Hardware:
 
     @classmethod
     def h100_sxm(
-        cls, *, devices: int = 8, devices_per_node: int = 8, host_memory: int = 0, disk: int = 0
+        cls,
+        *,
+        devices: int = 8,
+        devices_per_node: int = 8,
+        device_memory: int = 80 * 10**9,
+        host_memory: int = 0,
+        disk: int = 0,
     ) -> "Hardware":
         """H100 SXM5 80GB nodes (NVLink inside a node, 200 Gb/s InfiniBand per GPU across).
 
         Every number is a published peak or an assumption, labelled so: no efficiency was
-        measured on an H100 (the estimates are lower bounds on time). 80 GB of memory per
-        device (decimal; leave out activations yourself with ``dataclasses.replace``).
+        measured on an H100 (the estimates are lower bounds on time). ``device_memory``
+        defaults to the datasheet's 80 GB (decimal); pass less to keep room for activations
+        and the runtime.
         """
         peak = f"assumed: published peak, {_H100_SHEET}"
+        memory = (
+            f"assumed: {device_memory / 1e9:g} GB for weights and KV of the datasheet's 80 GB"
+            + ("" if device_memory == 80 * 10**9 else " (the rest kept for activations)")
+        )
         labels = (
-            ("device_memory", f"assumed: 80 GB (decimal), {_H100_SHEET}"),
+            ("device_memory", memory),
             ("device_flops", f"{peak}: 989 TFLOP/s dense bf16"),
             ("memory_bandwidth", f"{peak}: 3.35 TB/s HBM3"),
             ("intra_node_bandwidth", f"{peak}: NVLink 900 GB/s, 450 GB/s per direction"),
@@ -486,7 +497,7 @@ class Hardware:
         return cls(
             devices=devices,
             devices_per_node=devices_per_node,
-            device_memory=80 * 10**9,
+            device_memory=device_memory,
             device_flops=989e12,
             memory_bandwidth=3.35e12,
             intra_node_bandwidth=450e9,
