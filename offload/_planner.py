@@ -307,6 +307,8 @@ def _placement(workload, hardware, sizing, C, kv_format, degrees):
     rest = request_bytes - device
     host = min(rest, hardware.host_memory)
     disk = min(rest - host, hardware.disk)
+    if weights > hardware.device_memory:  # the model cannot be loaded: nothing is placed
+        fits, device, host, disk = False, 0, 0, 0
     return {
         "kv_format": kv_format,
         "bytes_per_token": bpt,
@@ -856,7 +858,11 @@ def plan(workload: Workload, hardware: Hardware) -> Plan:
         )
         + f" ({_size(request_bytes)} needed)"
         + (
-            f"; the weights' share ({_size(weights)}) leaves no device memory for KV"
+            f"; the weights' share ({_size(weights)}) exceeds a device's "
+            f"{_size(hardware.device_memory)}: the model cannot be loaded, raise "
+            "tensor_parallel or use more memory per device"
+            if weights > hardware.device_memory
+            else f"; the weights' share ({_size(weights)}) leaves no device memory for KV"
             if placement["kv_memory"] < placement["page_bytes"]
             else ""
         ),

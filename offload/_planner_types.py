@@ -404,7 +404,7 @@ class Hardware:
     attention_efficiency: float | int = 1.0
     decode_vs_bandwidth: float | int = 1.0
     page_in_efficiency: float | int = 1.0
-    labels: tuple[tuple[str, str], ...] = ()
+    labels: tuple = ()  # of (field, label) pairs; a bare tuple: beartype does not sample it
 
     def __post_init__(self):
         fn = "Hardware"

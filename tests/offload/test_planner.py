@@ -762,6 +762,12 @@ def test_weights_take_device_memory_and_can_leave_none():
     r = plan(Workload(heavy, fixed(4096)), hw)
     assert r.max_pages_per_device.value == 0 and not r.fits.value
     assert "leaves no device memory for KV" in r.fits.reasons[0].text
+    # Weights larger than a device: nothing can be placed, host memory or not.
+    too_heavy = dataclasses.replace(light, params=1001 * page // 2)
+    t = plan(Workload(too_heavy, fixed(4096)), dataclasses.replace(hw, host_memory=1 << 50))
+    assert not t.fits.value and t.tiers.value == Tiers(0, 0, 0)
+    assert "cannot be loaded" in t.fits.reasons[0].text
+    assert plan(Workload(too_heavy, fixed(4096), tensor_parallel=2), hw).fits.value
     none = plan(Workload(small_model(), fixed(4096)), hw)
     assert none.weight_bytes_per_device.value == 0
     assert "not given" in none.weight_bytes_per_device.reasons[0].text
@@ -887,3 +893,35 @@ def test_reasons_cite_the_article_by_title_and_section():
 def test_bad_new_inputs_raise(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    models,
+    lengths,
+    st.sampled_from([1, 2, 4, 8]),
+    st.one_of(st.none(), log_uniform(20, 36)),
+    hardware,
+)
+def test_tensor_parallel_plans_add_up(model, lengths, tp, params, hw):
+    """With weights and TP: the KV on devices fits in what the weights leave on the request's
+    TP x degree devices, the tiers add up, and every reason has a rule and a source."""
+    model = dataclasses.replace(model, params=params)
+    if model.query_heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
+        return
+    if hw.devices % tp or tp > hw.devices_per_node:
+        with pytest.raises(ValueError, match=r"plan: workload\.tensor_parallel"):
+            plan(Workload(model, lengths, tensor_parallel=tp), hw)
+        return
+    p = plan(Workload(model, lengths, tensor_parallel=tp), hw)
+    _check_reasons(p)
+    weights = -(-model.weight_bytes // tp)
+    assert p.weight_bytes_per_device.value == weights
+    tiers, request = p.tiers.value, p.kv_bytes_per_request.value
+    devices = tp * p.degree.value
+    assert devices <= hw.devices and hw.devices % devices == 0
+    assert tiers.device <= devices * max(0, hw.device_memory - weights)
+    assert (tiers.total == request) == p.fits.value and tiers.total <= request
+    per_device = model.bytes_per_token(p.kv_format.value, p.page_size.value, tp)
+    assert p.kv_bytes_per_token_per_device.value == per_device
+    assert request >= p.pages_per_request.value * p.page_size.value * per_device * tp
