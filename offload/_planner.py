@@ -514,14 +514,15 @@ def plan(workload: Workload, hardware: Hardware) -> Plan:
 
     Example:
       >>> from offload import Hardware, LengthDistribution, ModelShape, Workload, plan
-      >>> model = ModelShape(layers=80, query_heads=64, kv_heads=8, head_dim=128)
+      >>> model = ModelShape(layers=80, query_heads=64, kv_heads=8, head_dim=128,
+      ...                    params=70_553_706_496)  # Llama-3-70B
       >>> lengths = LengthDistribution.from_percentiles(262144, 262144, 262144)
-      >>> h100 = Hardware(devices=8, devices_per_node=8, device_memory=60 * 2**30,
-      ...                 device_flops=989e12, memory_bandwidth=3.35e12,
-      ...                 intra_node_bandwidth=450e9, inter_node_bandwidth=25e9)
-      >>> p = plan(Workload(model, lengths), h100)
-      >>> p.kv_bytes_per_token.value, p.degree.value, p.strategy.value
-      (327680, 2, 'ring')
+      >>> h100 = Hardware.h100_sxm(device_memory=72 * 10**9)  # 8 GB kept for activations
+      >>> p = plan(Workload(model, lengths, tensor_parallel=8), h100)
+      >>> p.kv_bytes_per_token.value, p.kv_bytes_per_token_per_device.value
+      (327680, 40960)
+      >>> p.degree.value, p.strategy.value  # one TP group of 8 holds 10 GiB per GPU
+      (1, None)
 
     References:
       :data:`ARTICLE` (in Chinese): section 5's decision tree and three iron rules, section

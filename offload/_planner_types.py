@@ -700,16 +700,18 @@ class Plan:
       sizing_length: tokens one request is sized for (rule 1: p95 + 2 sigma, not max).
       page_size: ``C`` in tokens, 4, 16 or 64 (rules 2 and 4).
       kv_format: the planned KV format (the model's, or a quantized one that makes it fit).
-      kv_bytes_per_token: KV bytes per token in ``kv_format`` (all layers, keys and values).
+      kv_bytes_per_token: KV bytes per token in ``kv_format`` (all layers, keys and values, the
+        model's ``K`` kv heads; one device's share is ``kv_bytes_per_token_per_device``).
       kv_bytes_per_token_all_heads: the same in the model's format with ``K = N`` (how the
         article counts Llama-3-70B: 2.5 MB instead of 320 KB).
-      kv_bytes_per_request: KV bytes of one request at ``sizing_length`` (whole pages).
-      pages_per_request: pages of one request.
+      kv_bytes_per_request: KV bytes the devices of a TP group store for one request at
+        ``sizing_length`` (whole pages; replicated kv heads counted on every device).
+      pages_per_request: pages of one request (on each device of a TP group).
       sequence_parallel: whether the sequence is sharded over devices (iron rule 1).
-      degree: devices in the sequence-parallel group (1 without).
+      degree: groups of ``TP`` devices the sequence is sharded over (1 without).
       strategy: ``"ring"``, ``"ulysses"``, ``"usp"``, ``"allgather"`` or ``None``.
-      max_pages_per_device: pages of ``page_size`` one device's KV memory holds (the pool's
-        ``P``, page 0 being the reserved null page).
+      max_pages_per_device: pages of ``page_size`` one device's memory holds after the
+        weights' share (the pool's ``P``, page 0 being the reserved null page).
       max_sequences_per_device: requests of ``sizing_length`` one device holds at once (each
         request's share of the group's pages; 0 when one does not fit).
       tiers: a :class:`Tiers` of one request's bytes on devices, pinned host and disk.
