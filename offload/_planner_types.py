@@ -455,8 +455,15 @@ class Hardware:
         return max(1, self.devices // self.devices_per_node)
 
     def label(self, field: str) -> str:
-        """Where ``field``'s number comes from: its label, or ``"given by the caller"``."""
-        return dict(self.labels).get(field, "given by the caller (no label)")
+        """Where ``field``'s number comes from: its label; else, for a field left at its
+        default, ``"assumed: Hardware's default ..."``; else ``"given by the caller"``."""
+        labels = dict(self.labels)
+        if field in labels:
+            return labels[field]
+        default = {f.name: f.default for f in dataclasses.fields(self)}[field]
+        if default is not dataclasses.MISSING and getattr(self, field) == default:
+            return f"assumed: Hardware's default {default:g}"
+        return "given by the caller (no label)"
 
     @classmethod
     def h100_sxm(

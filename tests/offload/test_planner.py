@@ -475,6 +475,8 @@ def _check_reasons(p: Plan):
             assert isinstance(reason, Reason) and reason.text, field.name
             assert reason.rule in RULE_IDS, (field.name, reason.rule)
             assert all(isinstance(v, (int, float)) for v in reason.numbers.values()), reason
+            if reason.rule in ARTICLE_SECTIONS:  # cited by title and section
+                assert reason.source == f"the article {ARTICLE}, {ARTICLE_SECTIONS[reason.rule]}"
 
 
 models = st.builds(
@@ -830,6 +832,7 @@ def test_hardware_numbers_are_labelled_assumed_or_measured():
         assert cpu.label(field).startswith("measured") and where in cpu.label(field), field
         assert "CPU" in cpu.label(field)
     assert h100s().label("device_flops") == "given by the caller (no label)"
+    assert h100s().label("attention_efficiency") == "assumed: Hardware's default 1"
     # The plan's cost reason carries the labels of the hardware it ran on.
     p = plan(Workload(small_model(), fixed(4096)), Hardware.emulated_cpu())
     assert "gaps_2026-12-01.md, run A" in p.cost.reasons[0].source
