@@ -16,14 +16,17 @@
 # %% [markdown]
 # # Planning long-context serving with `offload.plan`
 #
-# The seed article ("long-context inference, the engineering truth") is at heart a decision
-# procedure: three iron rules, twelve rules and a decision tree. `offload.plan(workload,
-# hardware)` is that procedure as a pure-Python function over frozen dataclasses: it answers the
-# article's questions (KV bytes, page size, sequence parallelism and its strategy, offload tiers,
-# quantization, the sizing percentile) from *your* numbers, and every answer carries the reasons
-# that produced it: the rule, the numbers, and where this repo's own measurements
-# (`benchmarks/results/`) disagree with the article, the measurement. No JAX arrays, no devices:
-# it runs anywhere in a second or two.
+# The article "The engineering truth of long-context inference, 2026: PagedAttention, Ring
+# Attention and KV cache offloading in practice, from 128K to 1M context" (in Chinese:
+# 长上下文推理的工程真相 2026) is at heart a decision procedure: three iron rules and a decision
+# tree (its section 5), twelve engineering rules (section 7) and three incidents (section 8).
+# `offload.plan(workload, hardware)` is that procedure as a pure-Python function over frozen
+# dataclasses: it answers the article's questions (KV bytes, page size, sequence parallelism
+# and its strategy, offload tiers, quantization, the sizing percentile) from *your* numbers,
+# with the model's weights and tensor parallelism counted, and every answer carries the
+# reasons that produced it: the rule, the numbers, the source (the article's section, or where
+# this repository's own measurements disagree with the article, the results file). No JAX
+# arrays, no devices: it runs anywhere in a second or two.
 
 # %%
 import sys
@@ -78,9 +81,12 @@ RESULTS = {}  # what this notebook computed (written to $NOTEBOOK_RESULTS when s
 
 
 def show(p, width=150):
-    """Print a plan as a table: field, value, then its reasons (wrapped to ``width``)."""
-    for name, value, reasons in p.rows():
-        if name == "cost":
+    """Print a plan as a table: field, value, then its reasons (wrapped to ``width``; each
+    reason's source, the article's section or a results file, is left out here: ``p.format()``
+    prints everything)."""
+    for row in p.rows():
+        value = row.value
+        if row.field == "cost":
             value = (
                 f"prefill {value.total_s:,.2f} s, decode {value.decode_step_s * 1e3:,.2f} ms/token"
             )
@@ -88,9 +94,9 @@ def show(p, width=150):
             value = f"{value:,.4g}"
         elif isinstance(value, int) and not isinstance(value, bool) and value > 10_000:
             value = f"{value:,}"
-        print(f"{name:<29} {value}")
-        for reason in reasons.split("; ["):
-            text = reason if reason.startswith("[") else "[" + reason
+        print(f"{row.field:<29} {value}")
+        for reason in row.reasons:
+            text = f"[{reason.rule}] {reason.text}"
             while text:
                 print(f"{'':<31}{text[: width - 31]}")
                 text = text[width - 31 :]
@@ -99,47 +105,56 @@ def show(p, width=150):
 # %% [markdown]
 # ## 1. The article's worked example: Llama-3-70B at 256K tokens on 8 H100s
 #
-# The article computes the KV cache as `2 x 80 layers x 64 heads x 128 x 2 bytes = 2.5 MB` per
-# token and 640 GB per 256K request. Llama-3-70B has 64 *query* heads but only 8 *kv* heads
-# (grouped-query attention), so its real KV is 320 KB per token and 80 GB per request. The
-# planner shows both. Each H100 has 80 GB; we leave 60 GiB of it to the KV cache (the bf16
-# weights take 140 GB, 17.5 GB per device over 8, plus activations).
+# The article (section 1.1) computes the KV cache as `2 x 80 layers x 64 heads x 128 x 2 bytes =
+# 2.5 MB` per token and 640 GB per 256K request. Llama-3-70B has 64 *query* heads but only 8
+# *kv* heads (grouped-query attention), so its real KV is 320 KB per token and 80 GB per
+# request. The planner shows both. The model is served the usual way, tensor parallel over the
+# 8 GPUs of the node (TP=8): each GPU holds 1/8 of the 70.6B bf16 weights (17.6 GB) and one of
+# the 8 kv heads, so one 256K request is 10 GiB per GPU and needs no sequence parallelism.
+# `Hardware.h100_sxm` is the H100's published peaks, each labelled as an assumption; we keep
+# 8 of each GPU's 80 GB for activations.
 
 # %%
-llama = ModelShape(layers=80, query_heads=64, kv_heads=8, head_dim=128, kv_format="bfloat16")
-h100 = Hardware(
-    devices=8,
-    devices_per_node=8,
-    device_memory=60 * GiB,
-    device_flops=989e12,  # dense bf16
-    memory_bandwidth=3.35e12,
-    intra_node_bandwidth=450e9,  # NVLink, per direction
-    inter_node_bandwidth=25e9,  # 200 Gb/s InfiniBand
-    host_memory=1024 * GiB,
-    host_bandwidth=25e9,  # PCIe 5 x16
-    disk=8 * 1024 * GiB,
+llama = ModelShape(
+    layers=80,
+    query_heads=64,
+    kv_heads=8,
+    head_dim=128,
+    kv_format="bfloat16",
+    params=70_553_706_496,  # Llama-3-70B
 )
+h100 = Hardware.h100_sxm(device_memory=72 * 10**9, host_memory=1024 * GiB, disk=8 * 1024 * GiB)
 every_request_256k = LengthDistribution.from_percentiles(262144, 262144, 262144)
-article = plan(Workload(llama, every_request_256k), h100)
+article = plan(Workload(llama, every_request_256k, tensor_parallel=8), h100)
 show(article)
 RESULTS["article kv bytes per token"] = article.kv_bytes_per_token.value
 RESULTS["article kv bytes per token, all heads"] = article.kv_bytes_per_token_all_heads.value
+RESULTS["article kv bytes per token per device"] = article.kv_bytes_per_token_per_device.value
 RESULTS["article kv bytes per request"] = article.kv_bytes_per_request.value
+RESULTS["article weight bytes per device"] = article.weight_bytes_per_device.value
 RESULTS["article degree"] = article.degree.value
 RESULTS["article strategy"] = article.strategy.value
 
 # %% [markdown]
-# If Llama-3-70B really had 64 kv heads, as the article counts, one request would need 640 GiB:
-# more than the 8 devices' 480 GiB. The planner then quantizes, but only because it changes the
-# verdict: int8 pages (0.516x of bf16, measured in `kvquant.md`; passkey accuracy unchanged in
-# `quality.md`) fit on 8 devices, bf16 pages do not.
+# If Llama-3-70B really had 64 kv heads, as the article counts, one request would need 640 GiB,
+# 80 GiB per GPU at TP=8: more than the 54 GB the weights leave. With the default (exact KV
+# formats only) the planner keeps bf16 and offloads the rest to host memory. Lossy formats are
+# opt-in (`quantization=("int8",)`): int8 pages (0.516x of bf16) then fit, and the reason says
+# that int8's accuracy was measured only on this repo's toy model, not on a real one.
 
 # %%
-as_the_article_counts = ModelShape(layers=80, query_heads=64, kv_heads=64, head_dim=128)
-counted = plan(Workload(as_the_article_counts, every_request_256k), h100)
+as_the_article_counts = dataclasses.replace(llama, kv_heads=64)
+exact = plan(Workload(as_the_article_counts, every_request_256k, tensor_parallel=8), h100)
+print(f"exact: {exact.kv_format.value}, host {exact.tiers.value.host / GiB:,.1f} GiB per request")
+counted = plan(
+    Workload(as_the_article_counts, every_request_256k, tensor_parallel=8, quantization=("int8",)),
+    h100,
+)
 print(f"kv format: {counted.kv_format.value}, {counted.kv_bytes_per_token.value:,} bytes/token")
 print(*counted.kv_format.reasons, sep="\n")
 print(f"degree {counted.degree.value}, strategy {counted.strategy.value}")
+RESULTS["64 kv heads, exact: kv format"] = exact.kv_format.value
+RESULTS["64 kv heads, exact: host bytes"] = exact.tiers.value.host
 RESULTS["64 kv heads: kv format"] = counted.kv_format.value
 RESULTS["64 kv heads: degree"] = counted.degree.value
 
@@ -147,12 +162,15 @@ RESULTS["64 kv heads: degree"] = counted.degree.value
 # ## 2. Your own numbers
 #
 # Replace these with your model, your request log and your cluster. Here: a GQA model with 48
-# layers, 32 query heads over 8 kv heads; a long-tailed request log (median about 4K, p99 about
-# 128K, as rule 3 describes production traffic); 70% of requests share a 2K system prompt; two
-# nodes of 8 GPUs with 40 GiB each for KV. Rule 1 sizes for p95 + 2 sigma of the samples, not for
-# the longest request, and iron rule 2 picks pages of 64 for the heavy prefix reuse; its reason
-# gives the saving this repo *measured* (`paged_memory.md`), set by the shared prefix's share of
-# resident tokens, not the article's 30-40%.
+# layers, 32 query heads over 8 kv heads, its size not given (`params=None`: the plan says it
+# counts no weights, so `device_memory` is what is left for KV); a long-tailed request log
+# (median about 4K, p99 about 128K, as the article's rule 3 describes production traffic); 70%
+# of requests share a 2K system prompt; two nodes of 8 GPUs with 40 GiB each for KV (peaks
+# given without labels: the plan reports them as given by the caller). Rule 1 sizes for p95 +
+# 2 sigma of the samples, not for the longest request, and iron rule 2 picks pages of 64 for
+# the heavy prefix reuse; its reason gives the saving this repo *measured*
+# (`benchmarks/results/paged_memory.md`), set by the shared prefix's share of resident tokens,
+# not the article's 30-40%.
 
 # %%
 rng = np.random.default_rng(0)
@@ -187,10 +205,10 @@ RESULTS["yours: max sequences per device"] = yours.max_sequences_per_device.valu
 # ## 3. The same model and cluster as the context grows
 #
 # Iron rule 1: no sequence parallelism under 128K. Past 128K the planner picks the smallest
-# group that holds a request; iron rule 3 (with incident B's cross-node lesson): past 512K the
-# group stays inside one node and the rest of the request goes to pinned host memory, then disk.
-# Quantization is switched off here (`quantization=()`) to show the tiers, and each device
-# keeps 20 GiB for KV.
+# group that holds a request; iron rule 3 (with the article's case B, a cross-node ring): past
+# 512K the group stays inside one node and the rest of the request goes to pinned host memory,
+# then disk. Quantization stays off (the default: lossy formats are opt-in) to show the tiers,
+# and each device keeps 20 GiB for KV.
 
 # %%
 sweep = [2**k for k in range(13, 22)] + [3 << 19]  # 8K ... 2M, and 1.5M
@@ -198,7 +216,7 @@ rows = []
 smaller = dataclasses.replace(cluster, device_memory=20 * GiB)
 for length in sweep:
     fixed = LengthDistribution.from_percentiles(length, length, length)
-    p = plan(Workload(mine, fixed, quantization=()), smaller)
+    p = plan(Workload(mine, fixed), smaller)
     t = p.tiers.value
     rows.append(
         (

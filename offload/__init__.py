@@ -72,7 +72,7 @@ from offload._stats import OffloadSnapshot
 # planner
 # isort: split
 from offload._cost_model import CostEstimate
-from offload._planner import ARTICLE_RULES, MEASURED, plan
+from offload._planner import ARTICLE, ARTICLE_RULES, ARTICLE_SECTIONS, MEASURED, TIE_THRESHOLD, plan
 from offload._planner_types import (
     KV_FORMATS,
     Decision,
@@ -80,6 +80,7 @@ from offload._planner_types import (
     LengthDistribution,
     ModelShape,
     Plan,
+    PlanRow,
     Reason,
     Tiers,
     Workload,
@@ -140,7 +141,9 @@ __all__: list[str] = [
     "replay_hit_rate",
     "to_prometheus",
     # planner
+    "ARTICLE",
     "ARTICLE_RULES",
+    "ARTICLE_SECTIONS",
     "CostEstimate",
     "Decision",
     "Hardware",
@@ -149,8 +152,10 @@ __all__: list[str] = [
     "MEASURED",
     "ModelShape",
     "Plan",
+    "PlanRow",
     "Reason",
     "Tiers",
+    "TIE_THRESHOLD",
     "Workload",
     "plan",
 ]

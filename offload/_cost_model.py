@@ -1,11 +1,18 @@
-"""A small cost model of long-context attention, with constants from this repo's benchmarks.
+"""A small cost model of long-context serving; every rate and efficiency is a field of
+:class:`offload.Hardware` (labelled assumed or measured there).
 
 The planner (:func:`offload.plan`) uses it to compare sequence-parallel strategies and to
 estimate prefill and decode times. It is deliberately small: four terms per strategy, summed
-over the ``L`` layers of one causal prefill of ``S`` tokens on ``D`` devices.
+over the ``L`` layers of one causal prefill of ``S`` tokens on ``D`` sequence-parallel groups
+of ``TP`` tensor-parallel devices (``N``, ``K`` below are one device's heads: ``N / TP`` and
+``K / TP``, or one replicated kv head when ``K < TP``).
 
-* compute: ``4 * S**2 * N * H / 2`` FLOPs per layer (causal: half the score matrix; the zigzag
-  layout balances it), split over ``D`` devices at ``device_flops * BLOCKWISE_FORWARD_EFFICIENCY``.
+* compute: attention, ``4 * S**2 * N * H / 2`` FLOPs per layer (causal: half the score matrix;
+  the zigzag layout balances it), split over ``D`` at ``device_flops * attention_efficiency``;
+  plus the linear layers, ``2 * params * S`` FLOPs split over ``TP * D`` at ``device_flops``.
+* tensor parallelism: two all-reduces per layer of the local tokens' hidden states
+  (``N * H`` wide, the whole model's), ``2 (TP - 1) / TP`` of them sent, on the intra-node
+  link, plus two steps of latency.
 * memory traffic: the local q, k, v and out read or written once, plus (all-gather) the
   gathered K/V written and permuted back to natural order, at ``memory_bandwidth``.
 * communication: bytes sent per device over the slowest link the group uses (``inter_node``
@@ -27,9 +34,13 @@ over the ``L`` layers of one causal prefill of ``S`` tokens on ``D`` devices.
 * latency: ``collective_latency`` per step, a step being one collective or one local attention
   call: ring ``2 D - 1``, ulysses 5, usp ``4 + 2 r - 1``, allgather 2.
 
-Decode (one token, all layers): the device-resident KV read at ``memory_bandwidth`` times
-:data:`PAGED_DECODE_VS_BANDWIDTH`, host pages fetched at ``host_bandwidth *``
-:data:`PAGE_IN_VS_MEMCPY` per device, disk pages at ``disk_bandwidth``.
+Decode (one token, all layers): the weights' share read once (or ``2 * params / TP`` FLOPs,
+whichever is slower), the device-resident KV read at ``memory_bandwidth`` times
+``decode_vs_bandwidth``, host pages fetched at ``host_bandwidth * page_in_efficiency`` per
+device, disk pages at ``disk_bandwidth``.
+
+The module constants are this repo's CPU measurements; :meth:`offload.Hardware.emulated_cpu`
+carries them (labelled with their results files), and nothing else uses them.
 
 Not modelled: the backward pass (training), kernel fusion details, contention between
 concurrent requests. Element size is 4 bytes for a float32 model and 2 otherwise.
@@ -51,9 +62,10 @@ __all__ = [
     "communication_bytes",
     "estimate_decode",
     "estimate_prefill",
+    "prefill_flops",
 ]
 
-# --- Constants, each from a file in benchmarks/results/ ------------------------------------
+# --- This repo's CPU measurements, each from a file in benchmarks/results/ -----------------
 
 #: gaps_2026-12-01.md (run A): "blockwise forward efficiency (T=S=16K)": 73% of the same run's matmul FLOP/s.
 BLOCKWISE_FORWARD_EFFICIENCY = 0.73
@@ -177,6 +189,31 @@ def communication_bytes(
     return 2 * S * K * H * itemsize * (D - 1) / D  # allgather
 
 
+def prefill_flops(*, S: int, L: int, N: int, H: int, params: int = 0) -> tuple[float, float]:
+    """``(attention, linear)`` FLOPs of one causal prefill of ``S`` tokens, whole model.
+
+    Attention: ``4 * S**2 * N * H / 2`` per layer (QK^T and PV, half the score matrix).
+    Linear layers: ``2 * params * S`` (a multiply and an add per weight per token; ``params``
+    0 when the model's size is not given).
+
+    Example:
+      >>> attention, linear = prefill_flops(S=32768, L=64, N=40, H=128, params=32_500_000_000)
+      >>> round(linear / attention, 2)  # a 32B model at 32K: the linear layers are 3x
+      3.03
+    """
+    return 4.0 * S * S * N * H * 0.5 * L, 2.0 * params * S
+
+
+def _tensor_parallel_bytes(S, N, H, D, itemsize, tensor_parallel) -> float:
+    """Bytes one device sends per layer for tensor parallelism: two all-reduces (after
+    attention and after the MLP) of its ``S / D`` tokens' hidden states (``N * H`` wide), a
+    ring all-reduce sending ``2 (TP - 1) / TP`` of them."""
+    if tensor_parallel == 1:
+        return 0.0
+    share = 2 * (tensor_parallel - 1) / tensor_parallel
+    return 2 * share * (S / D) * N * H * itemsize
+
+
 def estimate_prefill(
     strategy,
     *,
@@ -189,62 +226,97 @@ def estimate_prefill(
     itemsize: int,
     hardware,
     ulysses_degree: int = 1,
+    params: int = 0,
+    tensor_parallel: int = 1,
 ) -> tuple[float, float, float, float, float]:
     """``(compute_s, memory_s, communication_s, latency_s, total_s)`` of one causal prefill.
 
     Args:
       strategy: as :func:`communication_bytes`.
-      S, L, N, K, H, D, itemsize: tokens, layers, query heads, kv heads, head dim, devices and
-        bytes per element.
-      hardware: an :class:`offload.Hardware` (FLOP/s, bandwidths, latency, overlap).
+      S, L, N, K, H, D, itemsize: tokens, layers, query heads, kv heads (the whole model's),
+        head dim, sequence-parallel groups and bytes per element.
+      hardware: an :class:`offload.Hardware` (FLOP/s, bandwidths, latency, overlap,
+        ``attention_efficiency``).
       ulysses_degree: ``u`` of ``"usp"``.
+      params: the model's parameters: ``2 * params * S`` linear FLOPs, split over the
+        ``TP * D`` devices at ``device_flops`` (0: not counted).
+      tensor_parallel: ``TP``: each device has ``N / TP`` query heads and ``K / TP`` kv
+        heads (one, replicated, when ``K < TP``), and sends two all-reduces per layer over
+        the intra-node link.
 
     Returns:
-      Seconds per term and their total (see the module docstring).
+      Seconds per term and their total (see the module docstring). ``compute_s`` is the
+      attention and the linear layers together; only attention overlaps with a ring's hops.
     """
-    flops = 4.0 * S * S * N * H * 0.5
-    compute = L * flops / D / (hardware.device_flops * BLOCKWISE_FORWARD_EFFICIENCY)
+    tp = tensor_parallel
+    comm_bytes = _tensor_parallel_bytes(S, N, H, D, itemsize, tp)
+    N, K = N // tp, (K // tp if K % tp == 0 else 1)
+    attention_flops, linear_flops = prefill_flops(S=S, L=L, N=N, H=H, params=params)
+    attention = attention_flops / D / (hardware.device_flops * hardware.attention_efficiency)
+    linear = linear_flops / (D * tp) / hardware.device_flops
+    compute = attention + linear
     local_io = (2 * N + 2 * K) * (S / D) * H * itemsize
     if strategy == "allgather":
         local_io += 2 * (2 * S * K * H * itemsize)  # written by the gather, then permuted
     memory = L * local_io / hardware.memory_bandwidth
-    spans_nodes = D > hardware.devices_per_node
+    spans_nodes = D * tp > hardware.devices_per_node
     link = hardware.inter_node_bandwidth if spans_nodes else hardware.intra_node_bandwidth
-    latency = L * collective_steps(strategy, D, ulysses_degree) * hardware.collective_latency
+    tp_s = L * comm_bytes / hardware.intra_node_bandwidth
+    steps = collective_steps(strategy, D, ulysses_degree) + (2 if tp > 1 else 0)
+    latency = L * steps * hardware.collective_latency
     if strategy == "usp":  # the all-to-alls stay inside a node, the ring may cross nodes
         a2a, ring = _usp_bytes(S, N, K, H, D, itemsize, ulysses_degree)
         a2a_s = L * a2a / hardware.intra_node_bandwidth
         ring_s = L * ring / link
-        communication = a2a_s + ring_s
-        hidden = max(compute, ring_s) if hardware.overlap else compute + ring_s
-        total = hidden + a2a_s + memory + latency
+        communication = a2a_s + ring_s + tp_s
+        hidden = max(attention, ring_s) if hardware.overlap else attention + ring_s
+        total = hidden + linear + a2a_s + tp_s + memory + latency
     else:
         sent = communication_bytes(
             strategy, S=S, N=N, K=K, H=H, D=D, itemsize=itemsize, ulysses_degree=ulysses_degree
         )
-        communication = L * sent / link
+        sp_s = L * sent / link
+        communication = sp_s + tp_s
         if strategy == "ring" and hardware.overlap:
-            total = max(compute, communication) + memory + latency
+            total = max(attention, sp_s) + linear + tp_s + memory + latency
         else:
             total = compute + communication + memory + latency
     return float(compute), float(memory), float(communication), float(latency), float(total)
 
 
 def estimate_decode(
-    *, device_bytes: int | float, host_bytes: int | float, disk_bytes: int | float, D: int, hardware
+    *,
+    device_bytes: int | float,
+    host_bytes: int | float,
+    disk_bytes: int | float,
+    D: int,
+    hardware,
+    weight_bytes_per_device: int | float = 0,
+    params: int = 0,
+    tensor_parallel: int = 1,
 ) -> float:
-    """Seconds of one decode token that reads the whole KV of one request.
+    """Seconds of one decode token (batch of one) that reads the whole KV of one request.
 
     Args:
-      device_bytes, host_bytes, disk_bytes: the request's KV bytes in each tier (all layers).
-      D: devices the device tier (and the host traffic) is split over.
+      device_bytes, host_bytes, disk_bytes: the request's KV bytes in each tier (all layers,
+        all devices of the group together).
+      D: sequence-parallel groups the KV is split over.
       hardware: an :class:`offload.Hardware`.
+      weight_bytes_per_device: the weights each device reads once per token.
+      params: the model's parameters (``2 * params`` linear FLOPs per token).
+      tensor_parallel: ``TP``: devices per group.
 
     Returns:
-      ``device_bytes / D / memory_bandwidth * PAGED_DECODE_VS_BANDWIDTH + host_bytes / D /
-      (host_bandwidth * PAGE_IN_VS_MEMCPY) + disk_bytes / disk_bandwidth``.
+      ``max(weights / memory_bandwidth, 2 params / TP / device_flops) + device_bytes / (D TP)
+      / memory_bandwidth * decode_vs_bandwidth + host_bytes / (D TP) / (host_bandwidth *
+      page_in_efficiency) + disk_bytes / disk_bandwidth``.
     """
-    device = device_bytes / D / hardware.memory_bandwidth * PAGED_DECODE_VS_BANDWIDTH
-    host = host_bytes / D / (hardware.host_bandwidth * PAGE_IN_VS_MEMCPY)
+    devices = D * tensor_parallel
+    linear = max(
+        weight_bytes_per_device / hardware.memory_bandwidth,
+        2.0 * params / tensor_parallel / hardware.device_flops,
+    )
+    device = device_bytes / devices / hardware.memory_bandwidth * hardware.decode_vs_bandwidth
+    host = host_bytes / devices / (hardware.host_bandwidth * hardware.page_in_efficiency)
     disk = disk_bytes / hardware.disk_bandwidth if disk_bytes else 0.0
-    return float(device + host + disk)
+    return float(linear + device + host + disk)

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 import paged
 from offload import (
+    ARTICLE,
     ARTICLE_RULES,
+    ARTICLE_SECTIONS,
     KV_FORMATS,
     MEASURED,
     Decision,
@@ -22,6 +24,7 @@ from offload import (
     LengthDistribution,
     ModelShape,
     Plan,
+    PlanRow,
     Reason,
     Tiers,
     Workload,
@@ -29,6 +32,7 @@ from offload import (
 )
 from offload import _cost_model as cost_model
 from offload._planner import _choose_strategy
+from offload._planner_types import RATE_FIELDS
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 GiB = 2**30
@@ -77,10 +81,14 @@ def test_llama_70b_at_256k_shows_real_and_article_bytes_per_token():
     assert p.tiers.value == Tiers(device=80 * GiB, host=0, disk=0)
     assert p.fits.value and p.kv_format.value == "bfloat16"
     # With the article's 64 kv heads, 640 GiB: int8 (330 GiB) fits on 8 devices, bf16 does not.
+    # Lossy int8 only when the workload opts in (the default is exact formats only).
     article = dataclasses.replace(LLAMA_70B, kv_heads=64)
-    q = plan(Workload(article, fixed(256 * 1024)), h100s(memory=60 * GiB))
+    q = plan(Workload(article, fixed(256 * 1024), quantization=("int8",)), h100s(memory=60 * GiB))
     assert q.kv_bytes_per_token.value == 1_351_680  # kvquant.md's int8 row, 64 kv heads
     assert q.kv_format.value == "int8" and q.degree.value == 8 and q.fits.value
+    exact = plan(Workload(article, fixed(256 * 1024)), h100s(memory=60 * GiB))
+    assert exact.kv_format.value == "bfloat16" and not exact.fits.value  # no host, no disk
+    assert "not allowed" in exact.kv_format.reasons[0].text
 
 
 @pytest.mark.parametrize(
@@ -313,7 +321,7 @@ def test_quantization_picks_the_least_compressed_format_that_fits(L, K, H, dtype
     pages = -(-length // C)
     memory = max(1, int((pages + 1) * C * model.bytes_per_token(dtype, C) * scale))
     hw = h100s(devices=1, per_node=1, memory=memory, host=1 << 50)
-    p = plan(Workload(model, fixed(length)), hw)  # default: ("int8", "int4")
+    p = plan(Workload(model, fixed(length), quantization=("int8", "int4")), hw)
 
     def fits(f):
         return pages <= memory // (C * model.bytes_per_token(f, C)) - 1
@@ -467,6 +475,8 @@ def _check_reasons(p: Plan):
             assert isinstance(reason, Reason) and reason.text, field.name
             assert reason.rule in RULE_IDS, (field.name, reason.rule)
             assert all(isinstance(v, (int, float)) for v in reason.numbers.values()), reason
+            if reason.rule in ARTICLE_SECTIONS:  # cited by title and section
+                assert reason.source == f"the article {ARTICLE}, {ARTICLE_SECTIONS[reason.rule]}"
 
 
 models = st.builds(
@@ -636,9 +646,12 @@ def test_bad_inputs_raise(build, match):
 def test_reason_and_rows_print():
     p = plan(Workload(LLAMA_70B, fixed(256 * 1024)), h100s())
     rows = p.rows()
-    assert [r[0] for r in rows] == [f.name for f in dataclasses.fields(Plan)]
+    assert all(isinstance(r, PlanRow) for r in rows)
+    assert [r.field for r in rows] == [f.name for f in dataclasses.fields(Plan)]
+    assert rows[7].field == "sequence_parallel" and rows[7].value is p.sequence_parallel.value
+    assert rows[7].reasons == p.sequence_parallel.reasons  # Reason objects, not joined text
     assert str(p.sizing_length.reasons[0]).startswith("[rule 1] ")
-    assert re.search(r"\[iron rule 1\]", rows[7][2])
+    assert re.search(r"\[iron rule 1\]", p.format())
 
 
 def test_retention_cites_the_measurements_not_the_article():
@@ -650,3 +663,268 @@ def test_retention_cites_the_measurements_not_the_article():
     assert why.rule == "measured"
     for cited in ("policies.md", "97.4%", "59.6%", "quality.md", "80%", "94%"):
         assert cited in why.text, cited
+
+
+# --- a second worked example, by hand: a 32B GQA model, TP=8, 256K, 8 x H100 ----------------
+
+
+def test_32b_gqa_at_256k_with_tp8_by_hand():
+    """A 32B GQA model (Qwen2.5-32B's shape: L=64, N=40, K=8, H=128; 32e9 parameters, bf16) at
+    256K tokens on one node of 8 H100 SXM (80e9 bytes each), TP=8, 40% prefix reuse of a 2K
+    prompt. Every expected number is derived here from the shapes, not from the planner."""
+    L, N, K, H, params, S, tp = 64, 40, 8, 128, 32 * 10**9, 262_144, 8
+    model = ModelShape(layers=L, query_heads=N, kv_heads=K, head_dim=H, params=params)
+    w = Workload(model, fixed(S), prefix_reuse=0.4, prefix_tokens=2048, tensor_parallel=tp)
+    hw = Hardware.h100_sxm()
+    p = plan(w, hw)
+    # Page size: 40% reuse <= 50% and 256K >= 2K tokens: the default 16 (rule 4).
+    C = 16
+    assert p.page_size.value == C
+    # KV per token, whole model: 2 (K and V) x 64 layers x 8 kv heads x 128 x 2 bytes = 256 KiB.
+    assert p.kv_bytes_per_token.value == 2 * 64 * 8 * 128 * 2 == 262_144
+    # TP=8 splits the 8 kv heads, one per device: 2 x 64 x 1 x 128 x 2 = 32 KiB per token.
+    assert p.kv_bytes_per_token_per_device.value == 2 * 64 * 1 * 128 * 2 == 32_768
+    # 256K tokens / 16 = 16,384 pages; a page on one device is 16 x 32 KiB = 512 KiB, so one
+    # request is 16,384 x 512 KiB = 8 GiB per device, 64 GiB over the 8 devices.
+    assert p.pages_per_request.value == 16_384
+    assert p.kv_bytes_per_request.value == 16_384 * 524_288 * 8 == 64 * GiB
+    # Weights: 32e9 x 2 bytes = 64e9, over TP=8: 8e9 per device; 80e9 - 8e9 = 72e9 left for
+    # KV: 72e9 // 512 KiB = 137,329 pages (137,328 usable, page 0 is the null page).
+    assert p.weight_bytes_per_device.value == 8 * 10**9
+    assert p.max_pages_per_device.value == 72 * 10**9 // 524_288 == 137_329
+    # 16,384 pages fit one TP group: no sequence parallelism, no ring (the old planner, with
+    # no weights and no TP, put the 64 GiB on 2 devices of 60 GiB as a ring).
+    assert p.degree.value == 1 and not p.sequence_parallel.value and p.strategy.value is None
+    assert p.max_sequences_per_device.value == 137_328 // 16_384 == 8
+    assert p.tiers.value == Tiers(device=64 * GiB, host=0, disk=0) and p.fits.value
+    assert p.kv_format.value == "bfloat16" and p.tensor_parallel.value == 8
+    # Prefill on one group of 8 (no sequence-parallel strategy), H100 peaks (assumed):
+    # attention 4 S^2 N H / 2 per layer, each device 40 / 8 = 5 heads, at 989 TFLOP/s;
+    attention_s = 2 * S**2 * 5 * H * L / 989e12
+    # linear layers 2 x params x S over 8 devices;
+    linear_s = 2 * params * S / 8 / 989e12
+    # memory: q, k, v, out of 5 query and 1 kv head per device, 2 bytes, at 3.35 TB/s;
+    memory_s = L * (2 * 5 + 2 * 1) * S * H * 2 / 3.35e12
+    # TP: two all-reduces per layer of S x (40 x 128) bf16 hidden states, 2 x 7/8 of it sent
+    # per device over NVLink at 450 GB/s;
+    tp_s = L * 2 * (2 * 7 / 8) * S * N * H * 2 / 450e9
+    # latency: one local attention call and two all-reduces per layer at 20 us.
+    latency_s = L * 3 * 20e-6
+    cost = p.cost.value
+    assert cost.compute_s == pytest.approx(attention_s + linear_s, rel=1e-12)
+    assert cost.memory_s == pytest.approx(memory_s, rel=1e-12)
+    assert cost.communication_s == pytest.approx(tp_s, rel=1e-12)
+    assert cost.latency_s == pytest.approx(latency_s, rel=1e-12)
+    assert cost.total_s == pytest.approx(
+        attention_s + linear_s + memory_s + tp_s + latency_s, rel=1e-12
+    )
+    # Decode, one token: each device reads its 8e9 bytes of weights (slower than its
+    # 2 x 32e9 / 8 FLOPs) and its 8 GiB of KV at 3.35 TB/s.
+    assert 8e9 / 3.35e12 > 2 * params / 8 / 989e12
+    assert cost.decode_step_s == pytest.approx((8e9 + 8 * GiB) / 3.35e12, rel=1e-12)
+    # At 32K tokens the linear layers are 3x attention's FLOPs (params / (S N H L)).
+    attention, linear = cost_model.prefill_flops(S=32_768, L=L, N=N, H=H, params=params)
+    assert (
+        linear / attention == pytest.approx(params / (32_768 * N * H * L))
+        and 2.9 < (linear / attention) < 3.1
+    )
+    # Every assumed H100 number says it is an assumption.
+    (why,) = p.cost.reasons
+    assert "assumed: published peak" in why.source and "measured:" not in why.source
+
+
+def test_tensor_parallel_replicates_kv_heads_when_fewer_than_tp():
+    """K=2 kv heads over TP=8: each device holds one head, each head on 4 devices (as vLLM
+    does), so the group stores 4x the model's KV; a TP the heads cannot follow is an error."""
+    model = ModelShape(layers=4, query_heads=8, kv_heads=2, head_dim=64)
+    assert model.kv_heads_per_device(8) == 1 and model.kv_heads_per_device(2) == 1
+    assert model.kv_heads_per_device(1) == 2
+    p = plan(Workload(model, fixed(4096), tensor_parallel=8), h100s())
+    one_head = 2 * 4 * 1 * 64 * 2
+    assert p.kv_bytes_per_token_per_device.value == one_head
+    assert p.kv_bytes_per_request.value == 4096 * one_head * 8  # 4x the model's 2 heads
+    assert p.kv_bytes_per_request.value == 4 * 4096 * model.bytes_per_token()
+    assert any("replicated on 4 devices" in r.text for r in p.tensor_parallel.reasons)
+    with pytest.raises(ValueError, match="tensor_parallel: expected a divisor or a multiple"):
+        ModelShape(layers=4, query_heads=12, kv_heads=4, head_dim=64).kv_heads_per_device(6)
+
+
+def test_weights_take_device_memory_and_can_leave_none():
+    """The weights' share comes off each device's memory; TP divides it; weights that fill a
+    device leave no KV pages and the plan says so."""
+    page = 16 * small_model().bytes_per_token()
+    hw = h100s(devices=8, per_node=8, memory=1000 * page)
+    light = ModelShape(layers=4, query_heads=8, kv_heads=2, head_dim=64, params=100 * page // 2)
+    p = plan(Workload(light, fixed(4096)), hw)
+    assert p.weight_bytes_per_device.value == 100 * page
+    assert p.max_pages_per_device.value == 900
+    q = plan(Workload(light, fixed(4096), tensor_parallel=2), hw)
+    assert q.weight_bytes_per_device.value == 50 * page
+    heavy = dataclasses.replace(light, params=1000 * page // 2)
+    r = plan(Workload(heavy, fixed(4096)), hw)
+    assert r.max_pages_per_device.value == 0 and not r.fits.value
+    assert "leaves no device memory for KV" in r.fits.reasons[0].text
+    # Weights larger than a device: nothing can be placed, host memory or not.
+    too_heavy = dataclasses.replace(light, params=1001 * page // 2)
+    t = plan(Workload(too_heavy, fixed(4096)), dataclasses.replace(hw, host_memory=1 << 50))
+    assert not t.fits.value and t.tiers.value == Tiers(0, 0, 0)
+    assert "cannot be loaded" in t.fits.reasons[0].text
+    assert plan(Workload(too_heavy, fixed(4096), tensor_parallel=2), hw).fits.value
+    none = plan(Workload(small_model(), fixed(4096)), hw)
+    assert none.weight_bytes_per_device.value == 0
+    assert "not given" in none.weight_bytes_per_device.reasons[0].text
+
+
+def test_linear_layers_are_counted_in_prefill_and_decode():
+    hw = h100s()
+    base = small_model()
+    with_weights = dataclasses.replace(base, params=10**9)
+    a = plan(Workload(base, fixed(4096)), hw).cost.value
+    b = plan(Workload(with_weights, fixed(4096)), hw).cost.value
+    assert b.compute_s - a.compute_s == pytest.approx(2 * 10**9 * 4096 / 989e12)
+    # decode reads the 2e9 bytes of weights once per token
+    assert b.decode_step_s - a.decode_step_s == pytest.approx(2e9 / 3.35e12)
+
+
+# --- ties, hardware labels, lossy formats, citations ----------------------------------------
+
+
+def test_strategies_within_one_percent_are_reported_as_a_tie():
+    """On an overlapping H100 node at 256K the ring hides its hops behind attention and
+    Ulysses' all-to-alls are small: their estimates differ by under 1%, which the plan reports
+    as a tie with its tie-break rule; on the non-overlapping CPU they are far apart."""
+    model = small_model(N=8, K=8)
+    S, D = 256 * 1024, 8
+    for hw, tie in ((h100s(8, 8), True), (dataclasses.replace(h100s(8, 8), overlap=False), False)):
+        totals = {
+            s: cost_model.estimate_prefill(
+                s, S=S, L=4, N=8, K=8, H=64, D=D, itemsize=2, hardware=hw, ulysses_degree=u
+            )[4]
+            for s, u in (("ring", 1), ("ulysses", 8))
+        }
+        margin = abs(totals["ring"] - totals["ulysses"]) / min(totals.values())
+        assert (margin < 0.01) == tie, margin
+        strat, _, _, reasons = _choose_strategy(model, hw, D, S)
+        text = reasons[0].text
+        if tie:
+            assert strat == "ring"  # the tie-break: the first in (ring, ulysses, usp, allgather)
+            assert "tie" in text and "tie-break" in text and reasons[0].numbers["ties"] >= 1
+        else:
+            assert "tie" not in text and reasons[0].numbers["ties"] == 0
+            assert strat == min(totals, key=totals.get)
+
+
+def test_hardware_numbers_are_labelled_assumed_or_measured():
+    h100 = Hardware.h100_sxm()
+    for field in RATE_FIELDS:
+        assert h100.label(field).startswith("assumed"), field
+    assert h100.attention_efficiency == h100.decode_vs_bandwidth == 1.0
+    cpu = Hardware.emulated_cpu()
+    assert cpu.attention_efficiency == cost_model.BLOCKWISE_FORWARD_EFFICIENCY == 0.73
+    assert cpu.decode_vs_bandwidth == cost_model.PAGED_DECODE_VS_BANDWIDTH
+    assert cpu.page_in_efficiency == cost_model.PAGE_IN_VS_MEMCPY
+    for field, where in (
+        ("attention_efficiency", "gaps_2026-12-01.md, run A"),
+        ("device_flops", "gaps_2026-12-01.md, run A"),
+        ("decode_vs_bandwidth", "paged.md"),
+        ("page_in_efficiency", "gaps_2026-12-02.md, run B"),
+    ):
+        assert cpu.label(field).startswith("measured") and where in cpu.label(field), field
+        assert "CPU" in cpu.label(field)
+    assert h100s().label("device_flops") == "given by the caller (no label)"
+    assert h100s().label("attention_efficiency") == "assumed: Hardware's default 1"
+    # The plan's cost reason carries the labels of the hardware it ran on.
+    p = plan(Workload(small_model(), fixed(4096)), Hardware.emulated_cpu())
+    assert "gaps_2026-12-01.md, run A" in p.cost.reasons[0].source
+
+
+def test_lossy_formats_are_opt_in_and_say_their_loss_is_a_toy_models():
+    assert Workload(small_model(), fixed(10)).quantization == ()
+    model = small_model(H=128)
+    hw = h100s(devices=1, per_node=1, memory=4_600 * 16 * model.bytes_per_token(), host=1 << 50)
+    exact = plan(Workload(model, fixed(8192 * 16)), hw)
+    assert exact.kv_format.value == "bfloat16" and exact.tiers.value.host > 0
+    assert "not allowed" in exact.kv_format.reasons[0].text
+    lossy = plan(Workload(model, fixed(8192 * 16), quantization=("int8",)), hw)
+    assert lossy.kv_format.value == "int8" and lossy.tiers.value.host == 0
+    (why,) = lossy.kv_format.reasons
+    assert "lossy" in why.text and "toy model" in why.text and "not measured on a real" in why.text
+
+
+def test_reasons_cite_the_article_by_title_and_section():
+    model = small_model()
+    hw = h100s(devices=16, per_node=8, memory=16 * model.bytes_per_token() * 3000, host=1 << 50)
+    p = plan(Workload(model, fixed(600 * 1024), prefix_reuse=0.6, prefix_tokens=512), hw)
+    seen = set()
+    for row in p.rows():
+        for reason in row.reasons:
+            assert "seed" not in reason.text and "shared/" not in reason.text, reason
+            assert not re.search(r"\bincident [ABC]\b", reason.text), reason
+            if reason.rule in ARTICLE_SECTIONS:
+                assert reason.source.startswith(f"the article {ARTICLE}"), reason
+                assert "section" in reason.source
+                seen.add(reason.rule)
+            if reason.rule == "measured":
+                assert "benchmarks/results/" in reason.source, reason
+    assert {"rule 1", "iron rule 2", "iron rule 3"} <= seen
+    assert "长上下文推理的工程真相" in ARTICLE and "engineering truth" in ARTICLE
+
+
+@pytest.mark.no_typecheck
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: ModelShape(8, 8, 2, 64, params=0), "params"),
+        (lambda: ModelShape(8, 8, 2, 64, params=10, weight_itemsize=3), "weight_itemsize"),
+        (lambda: Workload(small_model(N=8, K=2), fixed(10), tensor_parallel=3), "query_heads"),
+        (lambda: Workload(small_model(N=12, K=4), fixed(10), tensor_parallel=6), "kv_heads"),
+        (lambda: Workload(small_model(), fixed(10), tensor_parallel=0), "tensor_parallel"),
+        (
+            lambda: plan(Workload(small_model(N=16, K=16), fixed(10), tensor_parallel=16), h100s()),
+            "plan: workload.tensor_parallel",
+        ),
+        (
+            lambda: plan(Workload(small_model(), fixed(10), tensor_parallel=4), h100s(2, 2)),
+            "plan: workload.tensor_parallel",
+        ),
+        (lambda: dataclasses.replace(h100s(), attention_efficiency=1.5), "attention_efficiency"),
+        (lambda: dataclasses.replace(h100s(), decode_vs_bandwidth=0.5), "decode_vs_bandwidth"),
+        (lambda: dataclasses.replace(h100s(), labels=(("device_flops", "peak"),)), "labels"),
+        (lambda: dataclasses.replace(h100s(), labels=(("flops", "assumed: x"),)), "labels"),
+    ],
+)
+def test_bad_new_inputs_raise(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    models,
+    lengths,
+    st.sampled_from([1, 2, 4, 8]),
+    st.one_of(st.none(), log_uniform(20, 36)),
+    hardware,
+)
+def test_tensor_parallel_plans_add_up(model, lengths, tp, params, hw):
+    """With weights and TP: the KV on devices fits in what the weights leave on the request's
+    TP x degree devices, the tiers add up, and every reason has a rule and a source."""
+    model = dataclasses.replace(model, params=params)
+    if model.query_heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
+        return
+    if hw.devices % tp or tp > hw.devices_per_node:
+        with pytest.raises(ValueError, match=r"plan: workload\.tensor_parallel"):
+            plan(Workload(model, lengths, tensor_parallel=tp), hw)
+        return
+    p = plan(Workload(model, lengths, tensor_parallel=tp), hw)
+    _check_reasons(p)
+    weights = -(-model.weight_bytes // tp)
+    assert p.weight_bytes_per_device.value == weights
+    tiers, request = p.tiers.value, p.kv_bytes_per_request.value
+    devices = tp * p.degree.value
+    assert devices <= hw.devices and hw.devices % devices == 0
+    assert tiers.device <= devices * max(0, hw.device_memory - weights)
+    assert (tiers.total == request) == p.fits.value and tiers.total <= request
+    per_device = model.bytes_per_token(p.kv_format.value, p.page_size.value, tp)
+    assert p.kv_bytes_per_token_per_device.value == per_device
+    assert request >= p.pages_per_request.value * p.page_size.value * per_device * tp

@@ -45,22 +45,30 @@ def test_planner_notebook_computes_the_right_numbers(tmp_path):
     assert proc.returncode == 0, f"{NOTEBOOK.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr}"
     got = json.loads(results.read_text())
 
-    # 1. Llama-3-70B at 256K: 8 kv heads (real) and 64 (the article's count).
-    L, N, K, H, bf16 = 80, 64, 8, 128, 2
+    # 1. Llama-3-70B at 256K, TP=8 over one node: 8 kv heads (real) and 64 (the article's count).
+    L, N, K, H, bf16, tp = 80, 64, 8, 128, 2, 8
     assert got["article kv bytes per token"] == 2 * L * K * H * bf16 == 327_680
     assert got["article kv bytes per token, all heads"] == 2 * L * N * H * bf16 == 2_621_440
+    assert got["article kv bytes per token per device"] == 2 * L * (K // tp) * H * bf16 == 40_960
     assert got["article kv bytes per request"] == 262_144 * 327_680 == 80 * GiB
-    page = 16 * 327_680
-    per_device = _usable_pages(60 * GiB, page)
-    degree = next(d for d in (1, 2, 4, 8) if math.ceil(262_144 // 16 / d) <= per_device)
-    assert got["article degree"] == degree == 2
-    assert got["article strategy"] in ("ring", "ulysses", "usp", "allgather")
-    # 64 kv heads: bf16 (640 GiB) exceeds 8 x 60 GiB; int8 (H + 4 bytes per head) fits on 8.
-    int8_token = 2 * L * N * (H + 4)
-    assert 262_144 * 2 * L * N * H * bf16 > 8 * 60 * GiB
-    assert math.ceil(262_144 / 16 / 8) <= _usable_pages(60 * GiB, 16 * int8_token)
-    assert math.ceil(262_144 / 16 / 4) > _usable_pages(60 * GiB, 16 * int8_token)
-    assert got["64 kv heads: kv format"] == "int8" and got["64 kv heads: degree"] == 8
+    # 70,553,706,496 bf16 weights over 8 GPUs; the rest of 72e9 bytes per GPU holds the KV.
+    weights = math.ceil(70_553_706_496 * 2 / tp)
+    assert got["article weight bytes per device"] == weights
+    per_device = _usable_pages(72 * 10**9 - weights, 16 * 40_960)
+    assert 262_144 // 16 <= per_device  # one TP group holds the request: no ring
+    assert got["article degree"] == 1 and got["article strategy"] is None
+    # 64 kv heads: 8 per GPU; bf16 does not fit beside the weights (offloaded to host by
+    # default), int8 (H + 4 bytes per head) fits once the workload allows it.
+    kv_memory = 72 * 10**9 - weights
+    bf16_pages = _usable_pages(kv_memory, 16 * 2 * L * 8 * H * bf16)
+    int8_pages = _usable_pages(kv_memory, 16 * 2 * L * 8 * (H + 4))
+    assert 262_144 // 16 > bf16_pages and 262_144 // 16 <= int8_pages
+    assert got["64 kv heads, exact: kv format"] == "bfloat16"
+    assert (
+        got["64 kv heads, exact: host bytes"]
+        == (262_144 // 16 - bf16_pages) * (16 * 2 * L * 8 * H * bf16) * tp
+    )
+    assert got["64 kv heads: kv format"] == "int8" and got["64 kv heads: degree"] == 1
 
     # 2. Your own numbers: the same samples, redrawn here.
     rng = np.random.default_rng(0)
