@@ -102,7 +102,8 @@ class PoolState:
         return self._get("PageAllocator.sequence_length", seq, "seq").length
 
     def sequence_pages(self, seq: Hashable) -> Int[np.ndarray, " n"]:
-        """Pages of ``seq`` in order, ``ceil(length / C)`` int32 ids."""
+        """Pages of ``seq`` in order, ``ceil(length / C)`` int32 ids (0 at slots emptied by
+        :meth:`PageAllocator.release_pages`)."""
         record = self._get("PageAllocator.sequence_pages", seq, "seq")
         return np.asarray(record.pages, dtype=np.int32)
 
@@ -243,6 +244,8 @@ class PoolState:
         return pages
 
     def _release(self, page: int) -> None:
+        if page == NULL_PAGE:  # a slot emptied by release_pages
+            return
         self._refcount[page] -= 1
         if self._refcount[page] == 0:
             if self._index.is_keyed(page):
@@ -262,6 +265,6 @@ class PoolState:
             key = hash_page(parent, tokens, record.salt)
             record.hashes.append(key)
             page = record.pages[i]
-            if not self._index.is_keyed(page):
+            if page != NULL_PAGE and not self._index.is_keyed(page):
                 # False when an identical page is already cached: this one stays unkeyed.
                 self._index.insert(page, CachedPage(key, parent, tokens, record.salt))
