@@ -47,7 +47,14 @@ from offload._policy_reference import select_keep_reference, update_policy_state
 from offload._retention import POLICY_KINDS, RetentionPolicy, budget_units
 from offload._shared_pages import keep_shared_pages
 from offload._staging import make_staging_pool, staging_table
-from offload._stats import DIRECTIONS, TIERS, OffloadStats, TransferTotals
+from offload._stats import (
+    DIRECTIONS,
+    TIERS,
+    OffloadStats,
+    TransferTotals,
+    measure_bytes,
+    page_nbytes,
+)
 from offload._tiers import TransferHandle, host_memory_kind, ready, to_device, to_host, wait
 from offload._transfers import page_in, page_out, prefetch_layer
 
@@ -121,7 +128,9 @@ __all__: list[str] = [
     "TransferTotals",
     "host_memory_kind",
     "make_host_page_pool",
+    "measure_bytes",
     "page_in",
+    "page_nbytes",
     "page_out",
     "prefetch_layer",
     "ready",
