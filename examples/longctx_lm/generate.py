@@ -12,7 +12,9 @@ The path a request takes:
    the whole batch; each step takes a fresh page from an on-device free-page stack when a
    sequence crosses a page boundary (``paged.ensure_next_page``), writes the token's K/V and
    attends with ``paged.paged_attention``. No host round trip per token: the allocator
-   reserves pages before the loop and ``settle``s after it.
+   reserves the pages the loop will pop (``paged.pages_to_reserve``) before it and
+   ``settle``s after it. Batch rows without a request are empty rows (``None`` in the
+   allocator's ``page_table`` / ``settle``; inactive in ``ensure_next_page``).
 
 Optionally (``retention=Retention(...)``), between 2 and 3 a retention rule chooses which
 prompt pages stay on the device: an ``offload.RetentionPolicy`` (recency, StreamingLLM, H2O,
@@ -100,7 +102,7 @@ def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start, n, per_qu
         num_seqs = valid.sum()
     else:
         table, lengths = cache.page_table, start + n
-        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n).astype(jnp.int32)])
+        cu = paged.make_cu_q_lens(n)  # rows with no token in this chunk own no query
         num_seqs = B
 
     def attend(q, cache, layer):
@@ -126,8 +128,9 @@ _prefill_chunk_jit = jax.jit(_prefill_chunk, static_argnums=(0, 7))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6))
-def _decode(graphdef, state, cache, stack, token, prev, steps: int, cold=None):
-    """``steps`` greedy tokens for every row; returns ``(tokens [B, steps], cache, stack)``.
+def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold=None):
+    """``steps`` greedy tokens for every ``active [B]`` row (the others are empty rows: no
+    page, nothing written); returns ``(tokens [B, steps], cache, stack)``.
 
     Table slots whose pages left the device (dropped or demoted by a retention policy) hold
     the null page: attention skips them there, and, with ``cold = (cold_table [B, M],
@@ -151,7 +154,7 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, cold=None):
 
     def step(i, carry):
         cache, stack, token, prev, out = carry
-        cache, stack, ok = paged.ensure_next_page(cache, stack)
+        cache, stack, ok = paged.ensure_next_page(cache, stack, active=active)
         positions = cache.lengths[:, None]
         attend_step = functools.partial(attend, table=cache.page_table)
         logits, cache, _ = _cached_forward(model, cache, token[:, None], prev[:, None], positions, attend_step)  # fmt: skip
@@ -343,14 +346,12 @@ class Server:
                 )
         B, C = self.batch, self.page_size
         seqs = [("req", self._ids + i) for i in range(len(prompts))]
-        pad_seqs = [("pad", self._ids + i) for i in range(B - len(prompts))]
+        pads = B - len(prompts)
         self._ids += B
         admissions = [self.allocator.admit(s, p, salt=salt) for s, p in zip(seqs, prompts, strict=True)]  # fmt: skip
-        for s in pad_seqs:
-            self.allocator.allocate(s, 1)
-        rows = seqs + pad_seqs
-        starts = np.array([a.num_cached_tokens for a in admissions] + [0] * len(pad_seqs), np.int32)
-        ends = np.array([len(p) for p in prompts] + [1] * len(pad_seqs), np.int32)
+        rows = seqs + [None] * pads  # None: an empty row of the batch (no page, length 0)
+        starts = np.array([a.num_cached_tokens for a in admissions] + [0] * pads, np.int32)
+        ends = np.array([len(p) for p in prompts] + [1] * pads, np.int32)
         cache = paged.with_page_table(
             self.cache, self.allocator.page_table(rows), jnp.asarray(starts)
         )
@@ -393,16 +394,19 @@ class Server:
         cache, cold, info = self._retain(cache, rows, retention, prompt_mass, window_mass, last)
         self.last_info = info
         # Pages for the generated tokens come from an on-device stack (no host round trips).
-        need = sum(-(-(e + max_new_tokens) // C) - -(-e // C) + 1 for e in ends)
+        # The loop writes max_new_tokens tokens per request row from its last prompt token on.
+        writes = np.array([max_new_tokens] * len(prompts) + [0] * pads)
+        need = paged.pages_to_reserve(last, writes, page_size=C, max_pages_per_seq=self.max_pages)
         reserve = self.allocator.reserve(need)
         stack = paged.make_free_stack(reserve, capacity=self.num_pages)
         token = jnp.asarray(full[np.arange(B), last])
         prev = jnp.asarray(prev_full[np.arange(B), last])
-        out, cache, stack = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, cold)  # fmt: skip
+        active = jnp.asarray(writes > 0)
+        out, cache, stack = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active, cold)  # fmt: skip
         _, unused = paged.taken_pages(stack, len(reserve))
         self.allocator.settle(rows, np.asarray(cache.page_table), np.asarray(cache.lengths), unused=unused)  # fmt: skip
         self.cache = cache
-        for s in rows:
+        for s in seqs:
             self.allocator.free(s)
         return [np.asarray(out[i]) for i in range(len(prompts))]
 
@@ -449,7 +453,7 @@ class Server:
             cold = (jnp.asarray(cold_table), stage_k, stage_v)
             moved = int(out.nbytes + back.nbytes)
         # The rows give the evicted pages back; those nobody else holds become free.
-        freed = [self.allocator.release_pages(seq, np.flatnonzero(evicted[b])) for b, seq in enumerate(rows)]  # fmt: skip
+        freed = [self.allocator.release_pages(seq, np.flatnonzero(evicted[b])) for b, seq in enumerate(rows) if evicted[b].any()]  # fmt: skip
         freed = np.concatenate(freed)
         cache = paged.with_page_table(cache, self.allocator.page_table(rows))
         if retention.scrub and freed.size:
