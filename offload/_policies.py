@@ -287,7 +287,8 @@ def select_keep(
       policy: the :class:`RetentionPolicy`.
       page_table: optional ``[B, U]`` int page ids (``U = M``); slots holding the null page 0
         are not live; a page id in several rows is shared (kept by all if kept by one). Only
-        for ``granularity="page"``.
+        for ``granularity="page"``. Pass it whenever rows may share pages (a prefix cache,
+        forks): without it each row is selected alone.
       pinned: optional ``[B]`` bool; a pinned sequence keeps every live unit.
       mode: ``"demote"`` (evicted units go to ``demote``) or ``"drop"`` (to ``drop``).
 
