@@ -250,8 +250,10 @@ assert err_paged < 1e-5 and stats.tokens_uncommitted == 0
 #
 # H2O ranks pages by the attention mass they received (`paged_attention` reports it per
 # page), keeps 25% of them (the first page as a sink and the two most recent among them), and the
-# rest are demoted to a pinned-host page pool. Decoding from the device pages alone is the
-# policy's approximation; fetching the cold pages back for the step makes it exact again.
+# rest are demoted to a pinned-host page pool and given back to the allocator
+# (`release_pages`: freed unless another sequence shares them). Decoding from the device pages
+# alone is the policy's approximation; fetching the cold pages back into a staging pool of just
+# those pages makes the step exact again. Every byte count shown is measured from the arrays.
 
 # %%
 import offload
@@ -281,41 +283,60 @@ selection = offload.select_keep(state, cache.lengths, policy=policy, page_table=
 device_table, cold_table = offload.split_residency(
     cache.page_table, selection.keep, selection.demote
 )
-cold_ids = np.unique(np.asarray(cold_table)[np.asarray(cold_table) > 0]).astype(np.int32)
+# Each demoted page once, and the cold table remapped to staging ids 1..n.
+cold_ids, staged_table = offload.staging_table(cold_table)
 
 manager = offload.OffloadManager(
     offload.make_host_page_pool(cache.k_pages, cache.v_pages, num_slots=len(cold_ids))
 )
 manager.wait(manager.page_out(cache.k_pages, cache.v_pages, cold_ids, request_id="doc"))
-page_bytes = cache.k_pages[0, :, 0].nbytes * 2  # one page of K and V, all kv heads
-manager.stats.add_tier_bytes("device", int(np.asarray(device_table > 0).sum()) * page_bytes)
-print(manager.stats.to_markdown())  # bytes per tier after the demotion
-# The demoted pages' device copies are now free: poison them to show they are never read.
-k_dev = cache.k_pages.at[:, :, cold_ids].set(jnp.nan)
-v_dev = cache.v_pages.at[:, :, cold_ids].set(jnp.nan)
+# The rows give the demoted pages back to the allocator: the pages nobody else holds are free
+# (a page shared through the prefix cache would stay for its other holders).
+full_table = cache.page_table
+demoted = np.asarray(selection.demote)
+freed = np.concatenate(
+    [alloc.release_pages(seq, np.flatnonzero(demoted[seq])) for seq in range(B_DEC)]
+)
+cache = paged.with_page_table(cache, alloc.page_table(range(B_DEC)))  # the device table
+assert (np.asarray(cache.page_table) == np.asarray(device_table)).all()
+# Bytes per tier, measured from the arrays: device pages still held, host pages demoted.
+manager.record_device_pages(cache.k_pages, cache.v_pages, alloc.stats().pages_used)
+print(manager.stats.to_markdown())
+# The freed pages may now be overwritten: poison them to show they are never read.
+k_dev = cache.k_pages.at[:, :, freed].set(jnp.nan)
+v_dev = cache.v_pages.at[:, :, freed].set(jnp.nan)
 
 q_step = looking_for_heavy_hitters(jax.random.key(8))
 full = paged.paged_attention(
-    q_step, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths
+    q_step, cache.k_pages[0], cache.v_pages[0], full_table, cache.lengths
 ).out
-approx = offload.mixed_residency_attention(q_step, k_dev[0], v_dev[0], device_table, cache.lengths)
-staging_k, staging_v = jnp.zeros_like(cache.k_pages), jnp.zeros_like(cache.v_pages)
-cold_k, cold_v = manager.wait(manager.page_in(staging_k, staging_v, cold_ids, request_id="doc"))
+approx = offload.mixed_residency_attention(
+    q_step, k_dev[0], v_dev[0], cache.page_table, cache.lengths
+)
+# Fetch the demoted pages back into a staging pool of just those pages (page 0 null).
+staging_k, staging_v = offload.make_staging_pool(cache.k_pages, cache.v_pages, len(cold_ids))
+back = manager.page_in(staging_k, staging_v, np.arange(1, len(cold_ids) + 1), request_id="doc")
+cold_k, cold_v = manager.wait(back)
 exact = offload.mixed_residency_attention(
     q_step,
     k_dev[0],
     v_dev[0],
-    device_table,
+    cache.page_table,
     cache.lengths,
-    cold_table=cold_table,
+    cold_table=jnp.asarray(staged_table),
     cold_k_pages=cold_k[0],
     cold_v_pages=cold_v[0],
 )
+staging_bytes = offload.measure_bytes((cold_k, cold_v))["device"]
+pool_bytes = offload.measure_bytes((cache.k_pages, cache.v_pages))["device"]
+print(f"staging pool {staging_bytes} bytes for {len(cold_ids)} pages (device pool {pool_bytes})")
+assert staging_bytes == (len(cold_ids) + 1) * offload.page_nbytes(cache.k_pages, cache.v_pages)
 err_exact = float(jnp.max(jnp.abs(exact.out - full)))
 rel_approx = float(jnp.linalg.norm(approx.out - full) / jnp.linalg.norm(full))
 kept = float(jnp.mean(exact.mass_kept))
 print(
-    f"pages on device {int((device_table > 0).sum())}, demoted {len(cold_ids)}; "
+    f"pages on device {int((device_table > 0).sum())}, demoted {len(cold_ids)} (freed "
+    f"{len(freed)}); "
     f"attention mass on device pages {kept:.1%}"
 )
 print(

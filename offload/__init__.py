@@ -45,7 +45,16 @@ from offload._policies import (
 )
 from offload._policy_reference import select_keep_reference, update_policy_state_reference
 from offload._retention import POLICY_KINDS, RetentionPolicy, budget_units
-from offload._stats import DIRECTIONS, TIERS, OffloadStats, TransferTotals
+from offload._shared_pages import keep_shared_pages
+from offload._staging import make_staging_pool, staging_table
+from offload._stats import (
+    DIRECTIONS,
+    TIERS,
+    OffloadStats,
+    TransferTotals,
+    measure_bytes,
+    page_nbytes,
+)
 from offload._tiers import TransferHandle, host_memory_kind, ready, to_device, to_host, wait
 from offload._transfers import page_in, page_out, prefetch_layer
 
@@ -94,6 +103,7 @@ __all__: list[str] = [
     "Selection",
     "budget_units",
     "init_policy_state",
+    "keep_shared_pages",
     "select_keep",
     "select_keep_reference",
     "token_attention_mass",
@@ -103,8 +113,10 @@ __all__: list[str] = [
     "MixedAttention",
     "mass_kept_from_lse",
     "mass_kept_from_page_mass",
+    "make_staging_pool",
     "mixed_residency_attention",
     "split_residency",
+    "staging_table",
     # tiers, host pool, disk, accounting
     "CorruptCacheError",
     "DIRECTIONS",
@@ -117,7 +129,9 @@ __all__: list[str] = [
     "TransferTotals",
     "host_memory_kind",
     "make_host_page_pool",
+    "measure_bytes",
     "page_in",
+    "page_nbytes",
     "page_out",
     "prefetch_layer",
     "ready",

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Shaped
 
-from offload._checks import IdList, check_ids
+from offload._checks import IdList, check_ids, check_int
 from offload._disk import CorruptCacheError, DiskStore
 from offload._host_pool import (
     HostPagePool,
@@ -26,7 +26,7 @@ from offload._host_pool import (
     zeros_pools,
 )
 from offload._page_copy import copy_pages, gather_pages, scatter_pages
-from offload._stats import OffloadStats
+from offload._stats import OffloadStats, page_nbytes
 from offload._tiers import PINNED_HOST, TransferHandle, ready, wait
 from offload._transfers import page_in, page_out, prefetch_layer
 from paged import KVFormat, QuantizedPages
@@ -74,9 +74,10 @@ class OffloadManager:
     ``k_scale``, ``v``, ``v_scale`` and ``format``, the format's tag as ASCII bytes; kivi2
     adds ``k_zero`` and ``v_zero``). Quantized pools move as stored, data and scales (and
     kivi2 zero-points) together, and every byte count (stats, handles) includes them; a kivi2
-    pool's residual pages stay on the device. Device bytes belong to the caller's page allocator:
-    register them with ``manager.stats.add_tier_bytes("device", ...)`` when it allocates or
-    frees pages.
+    pool's residual pages stay on the device. Device pages belong to the caller's page
+    allocator: after a demotion gives them back (``paged.PageAllocator.release_pages``),
+    :meth:`record_device_pages` sets the device tier to the pages still held, in bytes measured
+    from the device pool's arrays.
 
     Args:
       host_pool: the :class:`~offload.HostPagePool` to manage (owned from now on; read the
@@ -123,6 +124,35 @@ class OffloadManager:
     def free_slots(self) -> int:
         """Host slots not owned by any request."""
         return len(self._free)
+
+    def record_device_pages(
+        self,
+        k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+        v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+        num_pages: int | np.integer,
+    ) -> int:
+        """Sets the device tier of :attr:`stats` to ``num_pages`` pages of this device pool.
+
+        The bytes are measured from the pool's arrays (:func:`~offload.page_nbytes`), never
+        entered by hand; pass the pages the allocator holds, e.g.
+        ``paged.PageAllocator.stats().pages_used`` after ``release_pages``.
+
+        Args:
+          k_pages: the device keys ``[L, K, P, C, H]`` (float or ``paged.QuantizedPages``).
+          v_pages: the device values.
+          num_pages: pages resident on the device, ``0 <= num_pages <= P``.
+
+        Returns:
+          The device bytes now recorded.
+
+        Raises:
+          ValueError: on a malformed pool or ``num_pages`` out of range.
+        """
+        fn = "OffloadManager.record_device_pages"
+        num_pages = check_int(fn, "num_pages", num_pages, low=0, high=k_pages.shape[-3])
+        nbytes = num_pages * page_nbytes(k_pages, v_pages)
+        self.stats.add_tier_bytes("device", nbytes - self.stats.tier_bytes("device"))
+        return nbytes
 
     def host_slots(self, request_id: str) -> np.ndarray:
         """``[n]`` host slots of ``request_id`` in logical page order (empty if none)."""

@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 import ringattn
 from offload._attention_mass import mass_kept_from_lse
 from offload._checks import check_array, check_lengths, check_table
+from offload._shared_pages import keep_shared_pages
 from paged import QuantizedPages, paged_attention
 
 __all__ = ["MixedAttention", "mixed_residency_attention", "split_residency"]
@@ -61,7 +62,10 @@ def split_residency(
       page_table: ``[B, M]`` int page ids (0 = null page).
       keep: ``[B, M]`` bool, slots that stay on the device (``Selection.keep``).
       demote: ``[B, M]`` bool, slots demoted to the cold tier (``Selection.demote``);
-        disjoint from ``keep``. Slots in neither (dropped) are 0 in both tables.
+        disjoint from ``keep``. Slots in neither (dropped) are 0 in both tables. A demoted
+        slot whose page id another slot keeps (a page shared through the prefix cache or a
+        fork) goes to the device table: the page stays on the device for every holder
+        (:func:`keep_shared_pages`), so the cold table never names a page still kept.
 
     Returns:
       ``(device_table, cold_table)``, both ``[B, M]`` in ``page_table``'s dtype, with 0 where
@@ -86,8 +90,10 @@ def split_residency(
                 f"{tuple(m.shape)}"
             )
     zero = jnp.zeros_like(page_table)
-    device = jnp.where(keep, page_table, zero)
-    cold = jnp.where(demote & ~keep, page_table, zero)
+    # A page kept by any row stays on the device for every row that holds it.
+    on_device = keep | (demote & keep_shared_pages(page_table, keep))
+    device = jnp.where(on_device, page_table, zero)
+    cold = jnp.where(demote & ~on_device, page_table, zero)
     return device, cold
 
 

@@ -74,6 +74,12 @@ Heads share one page table, so a selection is per sequence, not per head: ``head
 ranks by attention summed over query heads (H2O, TOVA), ``"max"`` by the largest per-head
 mass (SnapKV's per-head top-k, made budget-exact: a unit that any head needs ranks high).
 
+Pages shared between rows (a prefix-cache hit, a fork: one page id in several rows of
+``page_table``) are kept by every row holding them as soon as one of those rows keeps them
+(:func:`keep_shared_pages`): a page is evicted only when every row of the batch holding it
+evicts it, so evicting it (scrubbing, freeing, reusing its device copy) never changes what a
+keeping row reads. Such a row may keep more units than its budget.
+
 A pinned request (``pinned[b]``) keeps every live unit. ``mode="demote"`` (default) returns the
 evicted units as ``demote`` for the tier layer; ``mode="drop"`` as ``drop``.
 
@@ -95,6 +101,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from offload._checks import check_choice, check_int, check_lengths
 from offload._retention import RetentionPolicy
+from offload._shared_pages import keep_shared_pages
 
 __all__ = [
     "PolicyState",
@@ -269,7 +276,9 @@ def select_keep(
     ``static_argnames=("policy", "mode")``). Exactly
     ``budget_units(policy, n_live)`` units are kept per unpinned sequence (``n_live`` = its
     live units), all live units for a pinned one; the order is described in the module
-    docstring and is deterministic (ties go to the later unit).
+    docstring and is deterministic (ties go to the later unit). With a ``page_table``, a page
+    id held by several rows is kept in all of them when any of them keeps it (those rows may
+    then keep more than the budget; see :func:`keep_shared_pages`).
 
     Args:
       state: :class:`PolicyState` with ``scores [B, U]``.
@@ -277,7 +286,9 @@ def select_keep(
         ``len`` (tokens) are never selected.
       policy: the :class:`RetentionPolicy`.
       page_table: optional ``[B, U]`` int page ids (``U = M``); slots holding the null page 0
-        are not live. Only for ``granularity="page"``.
+        are not live; a page id in several rows is shared (kept by all if kept by one). Only
+        for ``granularity="page"``. Pass it whenever rows may share pages (a prefix cache,
+        forks): without it each row is selected alone.
       pinned: optional ``[B]`` bool; a pinned sequence keeps every live unit.
       mode: ``"demote"`` (evicted units go to ``demote``) or ``"drop"`` (to ``drop``).
 
@@ -325,6 +336,10 @@ def select_keep(
     keep, evicted = _select_impl(
         scores, lengths.astype(jnp.int32), page_table, pinned, scalars, page_size=policy.page_size
     )
+    if page_table is not None:  # a page kept by any row holding it stays for all of them
+        live = keep | evicted
+        keep = live & keep_shared_pages(page_table, keep)
+        evicted = live & ~keep
     none = jnp.zeros_like(keep)
     if mode == "demote":
         return Selection(keep=keep, demote=evicted, drop=none)

@@ -82,6 +82,13 @@ def select_keep_reference(
             keep[b, u] = True
         for u in ranked[k:]:
             evicted[b, u] = True
+    if page_table is not None:  # a page kept by any row that holds it is kept by all
+        table = np.asarray(page_table)
+        kept_ids = {int(p) for p in table[keep]} - {0}
+        for b in range(B):
+            for u in range(U):
+                if evicted[b, u] and int(table[b, u]) in kept_ids:
+                    keep[b, u], evicted[b, u] = True, False
     none = np.zeros((B, U), bool)
     if mode == "demote":
         return Selection(keep=keep, demote=evicted, drop=none)

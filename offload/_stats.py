@@ -19,14 +19,91 @@ import threading
 import types
 from collections.abc import Mapping
 
+import jax
 import numpy as np
+from jaxtyping import Array, Shaped
 
 from offload._checks import check_choice, check_float, check_int
+from offload._host_pool import check_pool, leaves
+from paged import QuantizedPages
 
-__all__ = ["DIRECTIONS", "TIERS", "OffloadSnapshot", "OffloadStats", "TransferTotals"]
+__all__ = [
+    "DIRECTIONS",
+    "TIERS",
+    "OffloadSnapshot",
+    "OffloadStats",
+    "TransferTotals",
+    "measure_bytes",
+    "page_nbytes",
+]
 
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
 TIERS = ("device", "host", "disk")
+
+
+def measure_bytes(tree) -> dict[str, int]:
+    """Bytes of every array in ``tree``, by memory kind, measured from the arrays' ``nbytes``.
+
+    What a tier holds is read off the arrays that hold it, never entered by hand: a page pool,
+    a ``paged.QuantizedPages`` (data, scales, zero-points and a kivi2 residual: every leaf), a
+    :class:`~offload.HostPagePool`, a staging pool, or any pytree of them. Host-side, not
+    jittable.
+
+    Args:
+      tree: a pytree whose leaves are ``jax.Array`` (counted under their sharding's memory
+        kind: ``"device"``, ``"pinned_host"``, ``"unpinned_host"``), numpy arrays (counted under
+        ``"numpy"``) or anything else (ignored: Python scalars, None).
+
+    Returns:
+      ``{memory kind: bytes}`` for the kinds present (global bytes of sharded arrays).
+
+    Example:
+      >>> measure_bytes((jnp.zeros((4, 8)), jnp.zeros(3, jnp.int8)))
+      {'device': 131}
+    """
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            kind = leaf.sharding.memory_kind or "device"
+        elif isinstance(leaf, np.ndarray):
+            kind = "numpy"
+        else:
+            continue
+        out[kind] = out.get(kind, 0) + int(leaf.nbytes)
+    return out
+
+
+def page_nbytes(
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+) -> int:
+    """Bytes of one page of a pool, keys and values over all layers, measured from its arrays.
+
+    The page-indexed leaves' ``nbytes`` (data, scales, kivi2 zero-points; not a kivi2
+    residual, which is per sequence) divided by the page count ``P``: multiply by the pages a
+    tier holds for its bytes (``OffloadManager.record_device_pages`` does it for the device).
+    Host-side, not jittable.
+
+    Args:
+      k_pages: ``[L, K, P, C, H]`` or ``[K, P, C, H]`` keys, float or ``paged.QuantizedPages``,
+        in any memory kind.
+      v_pages: values, same shape.
+
+    Returns:
+      Bytes per page (an int).
+
+    Raises:
+      ValueError: on pools of different shapes, kinds or formats.
+
+    Example:
+      >>> k = jnp.zeros((2, 4, 8, 16, 32))
+      >>> page_nbytes(k, k) == 2 * 2 * 4 * 16 * 32 * 4
+      True
+    """
+    check_pool("page_nbytes", "k_pages/v_pages", k_pages, v_pages)
+    pages = k_pages.shape[-3]
+    total = sum(int(x.nbytes) for x in leaves(k_pages) + leaves(v_pages))
+    return total // pages
 
 
 @dataclasses.dataclass(frozen=True)

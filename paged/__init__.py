@@ -63,6 +63,7 @@ from paged._attention import (
     paged_attention,
     ragged_paged_attention,
 )
+from paged._batching import make_cu_q_lens, pages_to_reserve
 from paged._cache import (
     PagedKVCache,
     advance,
@@ -129,9 +130,11 @@ __all__ = [
     "from_zero_based_table",
     "gather_kv",
     "init_paged_cache",
+    "make_cu_q_lens",
     "make_free_stack",
     "paged_attention",
     "paged_attention_reference",
+    "pages_to_reserve",
     "pop_pages",
     "push_pages",
     "quantize_pages",

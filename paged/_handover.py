@@ -59,7 +59,8 @@ class DeviceHandOver(PoolState):
         """Takes back the result of a device decode loop (see the class docstring).
 
         Args:
-          seqs: ``B`` distinct live ids, the rows of ``page_table``.
+          seqs: ``B`` distinct live ids, the rows of ``page_table``; ``None`` for an empty row
+            (as in :meth:`page_table`), whose table row must hold no page and length be 0.
           page_table: ``[B, M]`` table after the loop: each row starts with the sequence's
             current pages, followed by pages taken from the reserve up to
             ``ceil(lengths[b] / C)``; later entries are ignored.
@@ -106,6 +107,14 @@ class DeviceHandOver(PoolState):
         plan = []
         for row, (seq, record) in enumerate(zip(seqs, records, strict=True)):
             new_length = int(new_lengths[row])
+            if record is None:  # an empty row stays empty
+                if new_length != 0 or table[row].any():
+                    raise ValueError(
+                        f"{fn}: page_table[{row}]: expected an empty row (seqs[{row}] is None) "
+                        f"with no page and length 0, got pages {sorted(set(table[row].tolist()) - {0})} "
+                        f"and length {new_length}"
+                    )
+                continue
             if not record.length <= new_length <= self.capacity:
                 raise ValueError(
                     f"{fn}: lengths[{row}]: expected in [{record.length}, {self.capacity}] "

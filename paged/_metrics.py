@@ -107,6 +107,8 @@ class PoolMetrics(PoolState):
             entries += len(record.pages)
             full = record.length // size
             for i, page in enumerate(record.pages):
+                if page == NULL_PAGE:  # emptied by release_pages
+                    continue
                 # Holders of a shared page agree on its fill except for stale partial pages.
                 amount = size if i < full else record.length - full * size
                 if fill.get(page, -1) < amount:
@@ -164,7 +166,8 @@ class PoolMetrics(PoolState):
                 raise ValueError(f"{fn}: {seq!r}: written/length out of range")
             if len(record.pages) != -(-record.length // size):
                 raise ValueError(f"{fn}: {seq!r}: {len(record.pages)} pages for {record.length}")
-            if len(set(record.pages)) != len(record.pages):
+            held = [page for page in record.pages if page != NULL_PAGE]
+            if len(set(held)) != len(held):
                 raise ValueError(f"{fn}: {seq!r}: holds a page twice")
             if len(record.tokens) > record.length:
                 raise ValueError(f"{fn}: {seq!r}: more token ids than tokens")
@@ -190,7 +193,7 @@ class PoolMetrics(PoolState):
                     raise ValueError(
                         f"{fn}: {seq!r}: page {page} cached tokens differ from its own"
                     )
-            holders.update(record.pages)
+            holders.update(held)
         if holders.get(NULL_PAGE) or self._refcount[NULL_PAGE] or self._index.is_keyed(NULL_PAGE):
             raise ValueError(f"{fn}: the null page is held, counted or keyed")
         if NULL_PAGE in self._free:

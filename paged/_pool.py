@@ -102,7 +102,8 @@ class PoolState:
         return self._get("PageAllocator.sequence_length", seq, "seq").length
 
     def sequence_pages(self, seq: Hashable) -> Int[np.ndarray, " n"]:
-        """Pages of ``seq`` in order, ``ceil(length / C)`` int32 ids."""
+        """Pages of ``seq`` in order, ``ceil(length / C)`` int32 ids (0 at slots emptied by
+        :meth:`PageAllocator.release_pages`)."""
         record = self._get("PageAllocator.sequence_pages", seq, "seq")
         return np.asarray(record.pages, dtype=np.int32)
 
@@ -110,7 +111,9 @@ class PoolState:
         """Page table of a batch, padded with the null page.
 
         Args:
-          seqs: ``B`` distinct live sequence ids.
+          seqs: ``B`` distinct live sequence ids; ``None`` for an empty row (a batch slot with
+            no admitted sequence: all null pages, length 0; pass ``active=`` to
+            :func:`paged.ensure_next_page` so a decode loop does not give it pages).
 
         Returns:
           ``[B, M]`` int32; row ``b`` holds ``seqs[b]``'s pages, then zeros.
@@ -128,11 +131,12 @@ class PoolState:
         records = self._batch("PageAllocator.page_table", seqs)
         table = np.zeros((len(records), self.max_pages_per_seq), dtype=np.int32)
         for row, record in enumerate(records):
-            table[row, : len(record.pages)] = record.pages
+            if record is not None:
+                table[row, : len(record.pages)] = record.pages
         return table
 
     def lengths(self, seqs: Sequence[Hashable]) -> Int[np.ndarray, " B"]:
-        """Lengths of a batch as ``[B]`` int32 (see :meth:`page_table` for errors).
+        """Lengths of a batch as ``[B]`` int32, 0 for a ``None`` row (see :meth:`page_table`).
 
         Example:
           >>> from paged import PageAllocator
@@ -142,7 +146,8 @@ class PoolState:
           [5]
         """
         return np.asarray(
-            [r.length for r in self._batch("PageAllocator.lengths", seqs)], dtype=np.int32
+            [0 if r is None else r.length for r in self._batch("PageAllocator.lengths", seqs)],
+            dtype=np.int32,
         )
 
     # ------------------------------------------------------------------ argument checks
@@ -160,15 +165,24 @@ class PoolState:
             hash(seq)
         except TypeError:
             raise ValueError(f"{fn}: {name}: expected a hashable id, got {seq!r}") from None
+        if seq is None:
+            raise ValueError(
+                f"{fn}: {name}: expected an id other than None (None is an empty row of a batch "
+                "in page_table, lengths and settle), got None"
+            )
         if seq in self._seqs:
             raise ValueError(
                 f"{fn}: {name}: expected a new id, got duplicate sequence {seq!r} (already live)"
             )
 
-    def _batch(self, fn: str, seqs) -> list[_Sequence]:
+    def _batch(self, fn: str, seqs) -> list[_Sequence | None]:
+        """The records of ``seqs``; ``None`` (an empty row of the batch) gives None."""
         seqs = list(seqs)
-        records = [self._get(fn, seq, f"seqs[{i}]") for i, seq in enumerate(seqs)]
-        if len({id(r) for r in records}) != len(records):
+        records = [
+            None if seq is None else self._get(fn, seq, f"seqs[{i}]") for i, seq in enumerate(seqs)
+        ]
+        real = [id(r) for r in records if r is not None]
+        if len(set(real)) != len(real):
             raise ValueError(f"{fn}: seqs: expected distinct sequence ids, got {seqs!r}")
         return records
 
@@ -243,6 +257,8 @@ class PoolState:
         return pages
 
     def _release(self, page: int) -> None:
+        if page == NULL_PAGE:  # a slot emptied by release_pages
+            return
         self._refcount[page] -= 1
         if self._refcount[page] == 0:
             if self._index.is_keyed(page):
@@ -262,6 +278,6 @@ class PoolState:
             key = hash_page(parent, tokens, record.salt)
             record.hashes.append(key)
             page = record.pages[i]
-            if not self._index.is_keyed(page):
+            if page != NULL_PAGE and not self._index.is_keyed(page):
                 # False when an identical page is already cached: this one stays unkeyed.
                 self._index.insert(page, CachedPage(key, parent, tokens, record.salt))

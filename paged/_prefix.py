@@ -123,6 +123,11 @@ class PrefixIndex:
         """An evictable page is referenced again: take it out of the LRU."""
         del self._lru[page]
 
+    def forget(self, page: int) -> None:
+        """Un-keys a referenced page (not in the LRU): its contents are about to go."""
+        entry = self._entry_of.pop(page)
+        del self._page_of[entry.key]
+
     def evict_oldest(self) -> int:
         """Forgets the least recently used evictable page and returns it (now a free page)."""
         page, _ = self._lru.popitem(last=False)

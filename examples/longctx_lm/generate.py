@@ -12,15 +12,22 @@ The path a request takes:
    the whole batch; each step takes a fresh page from an on-device free-page stack when a
    sequence crosses a page boundary (``paged.ensure_next_page``), writes the token's K/V and
    attends with ``paged.paged_attention``. No host round trip per token: the allocator
-   reserves pages before the loop and ``settle``s after it.
+   reserves the pages the loop will pop (``paged.pages_to_reserve``) before it and
+   ``settle``s after it. Batch rows without a request are empty rows (``None`` in the
+   allocator's ``page_table`` / ``settle``; inactive in ``ensure_next_page``).
 
 Optionally (``retention=Retention(...)``), between 2 and 3 a retention rule chooses which
 prompt pages stay on the device: an ``offload.RetentionPolicy`` (recency, StreamingLLM, H2O,
 SnapKV, TOVA, Scissorhands) fed from the prefill's attention (the last ``window`` prompt
 queries are prefilled one query per sequence, so each one's page mass is observed), or any
-function of a :class:`PromptView`. The other pages are dropped (the decode never reads them)
-or demoted: copied to pinned host memory with an ``offload.OffloadManager``, fetched back
-into a compact cold pool and read there by ``offload.mixed_residency_attention`` (exact).
+function of a :class:`PromptView`. A page shared by several rows (a prefix-cache hit) stays
+for all of them when one keeps it (``offload.keep_shared_pages``). The other pages are
+dropped (the decode never reads them) or demoted: copied to pinned host memory with an
+``offload.OffloadManager``, fetched back into a staging pool holding just them
+(``offload.staging_table``, ``offload.make_staging_pool``) and read there by
+``offload.mixed_residency_attention`` (exact). Either way the rows give those pages back to
+the allocator (``PageAllocator.release_pages``): the ones nobody else holds are free for the
+decode's new tokens.
 
 :class:`Server` keeps one allocator and one pool for many calls, so later requests hit the
 prefix cache of earlier ones.
@@ -95,7 +102,7 @@ def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start, n, per_qu
         num_seqs = valid.sum()
     else:
         table, lengths = cache.page_table, start + n
-        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n).astype(jnp.int32)])
+        cu = paged.make_cu_q_lens(n)  # rows with no token in this chunk own no query
         num_seqs = B
 
     def attend(q, cache, layer):
@@ -121,13 +128,14 @@ _prefill_chunk_jit = jax.jit(_prefill_chunk, static_argnums=(0, 7))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6))
-def _decode(graphdef, state, cache, stack, token, prev, steps: int, absent=None, cold=None):
-    """``steps`` greedy tokens for every row; returns ``(tokens [B, steps], cache, stack)``.
+def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold=None):
+    """``steps`` greedy tokens for every ``active [B]`` row (the others are empty rows: no
+    page, nothing written); returns ``(tokens [B, steps], cache, stack)``.
 
-    ``absent [B, M]`` bool marks table slots whose pages are not on the device (dropped or
-    demoted by a retention policy): attention skips them there, and, with
-    ``cold = (cold_table [B, M], cold_k [L, K, Pc, C, H], cold_v)``, reads them from the
-    fetched cold pool instead (``offload.mixed_residency_attention``).
+    Table slots whose pages left the device (dropped or demoted by a retention policy) hold
+    the null page: attention skips them there, and, with ``cold = (cold_table [B, M],
+    stage_k [L, K, Ps, C, H], stage_v)``, reads them from the fetched staging pool instead
+    (``offload.mixed_residency_attention``).
     """
     model = nnx.merge(graphdef, state)
     B = token.shape[0]
@@ -146,11 +154,9 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, absent=None,
 
     def step(i, carry):
         cache, stack, token, prev, out = carry
-        cache, stack, ok = paged.ensure_next_page(cache, stack)
+        cache, stack, ok = paged.ensure_next_page(cache, stack, active=active)
         positions = cache.lengths[:, None]
-        # One device table per step (every layer shares it): absent slots point to the null page.
-        table = cache.page_table if absent is None else jnp.where(absent, 0, cache.page_table)
-        attend_step = functools.partial(attend, table=table)
+        attend_step = functools.partial(attend, table=cache.page_table)
         logits, cache, _ = _cached_forward(model, cache, token[:, None], prev[:, None], positions, attend_step)  # fmt: skip
         cache = paged.advance(cache, ok.astype(jnp.int32))
         nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
@@ -225,8 +231,9 @@ class Retention:
         ``"demote"``: they are copied to pinned host memory (``offload.OffloadManager``),
         fetched back into a cold pool and read from there (exact).
       window: ``W``, prompt queries observed one by one at the end of prefill.
-      scrub: demote only: overwrite the device copies of demoted pages with NaN, so nothing
-        can read them by mistake (a testing aid; it spoils the prefix cache of those pages).
+      scrub: overwrite the device pages the retention freed (evicted by every row holding
+        them, held by no other sequence, out of the prefix cache) with NaN, so nothing can
+        read them by mistake (a testing aid).
     """
 
     select: Any
@@ -239,8 +246,6 @@ class Retention:
             raise ValueError(f"Retention: mode: expected 'drop' or 'demote', got {self.mode!r}")
         if not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"Retention: window: expected an int >= 1, got {self.window!r}")
-        if self.scrub and self.mode != "demote":
-            raise ValueError("Retention: scrub: only for mode='demote'")
         if not (isinstance(self.select, offload.RetentionPolicy) or callable(self.select)):
             raise ValueError(
                 f"Retention: select: expected a RetentionPolicy or a callable, got {self.select!r}"
@@ -257,13 +262,22 @@ class GenerationInfo(NamedTuple):
 
     Attributes:
       prompt_pages: ``[B]`` live prompt pages per row.
-      kept_pages: ``[B]`` of them resident on the device during decode.
+      kept_pages: ``[B]`` of them resident on the device during decode (a page shared with a
+        row that keeps it counts as kept).
       moved_bytes: bytes copied to host and back (demote), 0 otherwise.
+      freed_pages: device pages the retention gave back to the allocator (evicted by every
+        holder); the decode's new pages may reuse them.
+      tier_bytes: bytes by tier after the retention, measured from the arrays that hold them
+        (``offload.page_nbytes``, ``offload.measure_bytes``): ``"device"`` the distinct pages
+        the batch's rows hold, ``"staging"`` the staging pool the demoted pages were fetched
+        into (0 without one).
     """
 
     prompt_pages: np.ndarray
     kept_pages: np.ndarray
     moved_bytes: int
+    freed_pages: int = 0
+    tier_bytes: dict | None = None
 
 
 @dataclasses.dataclass
@@ -332,14 +346,12 @@ class Server:
                 )
         B, C = self.batch, self.page_size
         seqs = [("req", self._ids + i) for i in range(len(prompts))]
-        pad_seqs = [("pad", self._ids + i) for i in range(B - len(prompts))]
+        pads = B - len(prompts)
         self._ids += B
         admissions = [self.allocator.admit(s, p, salt=salt) for s, p in zip(seqs, prompts, strict=True)]  # fmt: skip
-        for s in pad_seqs:
-            self.allocator.allocate(s, 1)
-        rows = seqs + pad_seqs
-        starts = np.array([a.num_cached_tokens for a in admissions] + [0] * len(pad_seqs), np.int32)
-        ends = np.array([len(p) for p in prompts] + [1] * len(pad_seqs), np.int32)
+        rows = seqs + [None] * pads  # None: an empty row of the batch (no page, length 0)
+        starts = np.array([a.num_cached_tokens for a in admissions] + [0] * pads, np.int32)
+        ends = np.array([len(p) for p in prompts] + [1] * pads, np.int32)
         cache = paged.with_page_table(
             self.cache, self.allocator.page_table(rows), jnp.asarray(starts)
         )
@@ -379,77 +391,85 @@ class Server:
         cache = paged.with_page_table(cache, cache.page_table, jnp.asarray(last))
         for s, a in zip(seqs, admissions, strict=True):
             self.allocator.commit(s, a.num_tokens - 1)
-        cache, absent, cold, info = self._retain(cache, retention, prompt_mass, window_mass, last)
+        cache, cold, info = self._retain(cache, rows, retention, prompt_mass, window_mass, last)
         self.last_info = info
         # Pages for the generated tokens come from an on-device stack (no host round trips).
-        need = sum(-(-(e + max_new_tokens) // C) - -(-e // C) + 1 for e in ends)
+        # The loop writes max_new_tokens tokens per request row from its last prompt token on.
+        writes = np.array([max_new_tokens] * len(prompts) + [0] * pads)
+        need = paged.pages_to_reserve(last, writes, page_size=C, max_pages_per_seq=self.max_pages)
         reserve = self.allocator.reserve(need)
         stack = paged.make_free_stack(reserve, capacity=self.num_pages)
         token = jnp.asarray(full[np.arange(B), last])
         prev = jnp.asarray(prev_full[np.arange(B), last])
-        absent_arg = None if absent is None else jnp.asarray(absent)
-        out, cache, stack = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, absent_arg, cold)  # fmt: skip
+        active = jnp.asarray(writes > 0)
+        out, cache, stack = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active, cold)  # fmt: skip
         _, unused = paged.taken_pages(stack, len(reserve))
         self.allocator.settle(rows, np.asarray(cache.page_table), np.asarray(cache.lengths), unused=unused)  # fmt: skip
         self.cache = cache
-        for s in rows:
+        for s in seqs:
             self.allocator.free(s)
         return [np.asarray(out[i]) for i in range(len(prompts))]
 
-    def _retain(self, cache, retention, prompt_mass, window_mass, last):
-        """Applies ``retention``: returns ``(cache, absent [B, M] | None, cold | None, info)``
-        (``cache`` with the demoted pages' device copies scrubbed when asked)."""
+    def _retain(self, cache, rows, retention, prompt_mass, window_mass, last):
+        """Applies ``retention``: returns ``(cache, cold | None, info)``, ``cache`` with the
+        evicted pages out of its table (given back to the allocator; the freed ones scrubbed
+        when asked) and ``cold = (cold_table, stage_k, stage_v)`` for demoted pages."""
+        C = self.page_size
         table = np.asarray(cache.page_table)
         M = table.shape[1]
-        live = (np.arange(M)[None, :] < -(-last // self.page_size)[:, None]) & (table != 0)
+        live = (np.arange(M)[None, :] < -(-last // C)[:, None]) & (table != 0)
         if retention is None:
             n = live.sum(1)
-            return cache, None, None, GenerationInfo(n, n, 0)
+            return cache, None, self._info(cache, n, n, 0, 0, None)
         view = PromptView(cache.k_pages, cache.v_pages, cache.page_table, cache.lengths,
-                          prompt_mass, window_mass, self.page_size)  # fmt: skip
+                          prompt_mass, window_mass, C)  # fmt: skip
         keep = np.array(retention.rule()(view), bool)
         if keep.shape != table.shape:
             raise ValueError(f"generate: retention.select: expected keep {table.shape}, got {keep.shape}")  # fmt: skip
         # The page holding the prompt's last token is where the decode writes: keep it.
-        rows = np.arange(len(last))
-        writing = last // self.page_size
-        keep[rows, writing] |= live[rows, writing]
-        absent = live & ~keep
-        info = GenerationInfo(live.sum(1), (live & keep).sum(1), 0)
-        if retention.mode == "drop" or not absent.any():
-            return cache, absent, None, info
-        # Demote: every absent page goes to pinned host memory, then comes back into a cold
-        # pool that the decode reads (all of them are fetched: the result is exact).
-        if self.offload is None:
-            host = offload.make_host_page_pool(cache.k_pages, cache.v_pages, self.num_pages)
-            self.offload = offload.OffloadManager(host)
-        rid = f"call-{self._ids}"
-        ids = table[absent]
-        out = self.offload.page_out(cache.k_pages, cache.v_pages, ids, request_id=rid)
-        self.offload.wait(out)
-        n_cold = 16 * -(-(ids.size + 1) // 16)  # bucketed: fewer decode compiles
-        cold_k, cold_v = (_empty_pool(pool, n_cold) for pool in (cache.k_pages, cache.v_pages))
-        back = self.offload.page_in(cold_k, cold_v, np.arange(1, ids.size + 1), request_id=rid)
-        cold_k, cold_v = self.offload.wait(back)
-        cold_table = np.zeros_like(table)
-        cold_table[absent] = np.arange(1, ids.size + 1)
-        info = info._replace(moved_bytes=int(out.nbytes + back.nbytes))
-        if retention.scrub:
-            dead = jnp.asarray(ids)
+        index = np.arange(len(last))
+        writing = last // C
+        keep[index, writing] |= live[index, writing]
+        # A page kept by one row stays for every row that holds it (a shared prefix).
+        keep = np.asarray(offload.keep_shared_pages(table, keep)) & live
+        evicted = live & ~keep
+        if not evicted.any():
+            return cache, None, self._info(cache, live.sum(1), keep.sum(1), 0, 0, None)
+        cold, moved = None, 0
+        if retention.mode == "demote":
+            # Each distinct demoted page goes to pinned host memory once, then comes back into
+            # a staging pool of just those pages that the decode reads (the result is exact).
+            ids, cold_table = offload.staging_table(np.where(evicted, table, 0))
+            if self.offload is None:
+                host = offload.make_host_page_pool(cache.k_pages, cache.v_pages, self.num_pages)
+                self.offload = offload.OffloadManager(host)
+            rid = f"call-{self._ids}"
+            out = self.offload.page_out(cache.k_pages, cache.v_pages, ids, request_id=rid)
+            self.offload.wait(out)
+            # Bucketed sizes: fewer decode compiles.
+            stage_k, stage_v = offload.make_staging_pool(cache.k_pages, cache.v_pages, ids.size, bucket=16)  # fmt: skip
+            back = self.offload.page_in(stage_k, stage_v, np.arange(1, ids.size + 1), request_id=rid)  # fmt: skip
+            stage_k, stage_v = self.offload.wait(back)
+            cold = (jnp.asarray(cold_table), stage_k, stage_v)
+            moved = int(out.nbytes + back.nbytes)
+        # The rows give the evicted pages back; those nobody else holds become free.
+        freed = [self.allocator.release_pages(seq, np.flatnonzero(evicted[b])) for b, seq in enumerate(rows) if evicted[b].any()]  # fmt: skip
+        freed = np.concatenate(freed)
+        cache = paged.with_page_table(cache, self.allocator.page_table(rows))
+        if retention.scrub and freed.size:
+            dead = jnp.asarray(freed)
             cache = cache._replace(k_pages=_scrub(cache.k_pages, dead), v_pages=_scrub(cache.v_pages, dead))  # fmt: skip
-        return cache, absent, (jnp.asarray(cold_table), cold_k, cold_v), info
+        info = self._info(cache, live.sum(1), keep.sum(1), moved, freed.size, cold)
+        return cache, cold, info
 
-
-def _empty_pool(pool, num_pages: int):
-    """A zero pool like ``pool`` (float or ``paged.QuantizedPages``) with ``num_pages`` pages
-    (kivi2: the same grouping, keys per channel or values per token, and no residual)."""
-    shape = (*pool.shape[:2], num_pages, *pool.shape[3:])
-    if isinstance(pool, paged.QuantizedPages):
-        role = None
-        if pool.format.kind == "kivi2":
-            role = "keys" if pool.grouping == "channel" else "values"
-        return paged.quantize_pages(jnp.zeros(shape, jnp.float32), pool.format, role=role)
-    return jnp.zeros(shape, pool.dtype)
+    def _info(self, cache, prompt_pages, kept_pages, moved, freed, cold) -> GenerationInfo:
+        """A :class:`GenerationInfo` whose tier bytes are measured from the arrays."""
+        held = np.unique(np.asarray(cache.page_table))
+        held = int((held != paged.NULL_PAGE).sum())
+        staging = 0 if cold is None else sum(offload.measure_bytes(cold[1:]).values())
+        device = held * offload.page_nbytes(cache.k_pages, cache.v_pages)
+        tiers = {"device": device, "staging": staging}
+        return GenerationInfo(prompt_pages, kept_pages, moved, int(freed), tiers)
 
 
 def _scrub(pool, ids):

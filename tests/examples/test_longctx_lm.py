@@ -294,6 +294,56 @@ def test_generation_with_dropped_pages_equals_dense_with_those_keys_masked(kind)
         assert (table[b, live:] == 0).all() or (np.asarray(view.prompt_mass[b, :, live:]) == 0).all()  # fmt: skip
 
 
+@pytest.mark.parametrize("mode", ["drop", "demote"])
+def test_retention_on_a_shared_prefix_keeps_what_any_row_keeps_and_frees_the_rest(mode):
+    """Two rows share a cached prefix (6 pages); the rule keeps row 0's first 3 shared pages
+    and evicts them for row 1: both rows keep them (a page kept by one holder stays for all),
+    the pages every holder evicts are given back to the allocator and scrubbed with NaN, and
+    each row's output equals dense generation over the pages it kept (all of them, demote).
+    The device bytes reported are the pages still held, the staging pool holds the fetched
+    pages only, and a later call does not hit the freed (scrubbed) pages in the prefix cache."""
+    generate, model, server, prompts = _retention_setup(seed=7)
+    base = prompts[0][:50]
+    server.generate([base], 2)  # commits 12 full pages of base: the prefix cache
+    rows = [base[:46], base[:24] + prompts[1][24:]]  # 46 and 37 tokens, 6 shared pages
+    seen = {}
+
+    def rule(view):
+        seen["table"] = np.asarray(view.page_table)
+        keep = np.zeros(view.page_table.shape, bool)
+        keep[0, :3] = True  # shared slots: row 0 keeps them...
+        keep[1, 6:9] = True  # ...row 1 keeps only its own
+        return keep
+
+    retention = generate.Retention(rule, mode=mode, window=4, scrub=True)
+    got = server.generate(rows, 5, retention=retention)
+    table = seen["table"]
+    assert (table[0, :6] == table[1, :6]).all() and (table[0, :6] > 0).all()
+    C = 4
+    kept = {b: {(len(p) - 1) // C} for b, p in enumerate(rows)}  # the page written next
+    kept[0] |= {0, 1, 2}
+    kept[1] |= {0, 1, 2, 6, 7, 8}
+    for b, p in enumerate(rows):
+        last = len(p) - 1
+        dropped = [t for t in range(last) if t // C not in kept[b]] if mode == "drop" else []
+        want = generate.generate_dense(model, p, 5, _masked_dense(dropped, last))
+        np.testing.assert_array_equal(got[b], want)
+    info = server.last_info
+    np.testing.assert_array_equal(info.kept_pages[:2], [4, 6])  # row 1 ends on slot 9
+    evicted = {int(table[b, u]) for b in range(2) for u in range(-(-(len(rows[b]) - 1) // C))
+               if u not in kept[b]}  # fmt: skip
+    assert info.freed_pages == len(evicted) == 8  # row 0's slots 3-10 (3-5 shared)
+    page_bytes = 2 * TINY.num_layers * TINY.num_kv_heads * C * TINY.head_dim * 4
+    held = len(set(table[table > 0].tolist()) - evicted)
+    assert info.tier_bytes["device"] == held * page_bytes
+    staging = 16 * page_bytes if mode == "demote" else 0  # 8 pages + null, bucketed by 16
+    assert info.tier_bytes["staging"] == staging < server.num_pages * page_bytes
+    again = server.generate([base[:30]], 3)  # must not hit a scrubbed page
+    np.testing.assert_array_equal(
+        again[0], generate.generate_dense(model, base[:30], 3, attention.dense())
+    )
+
+
 @pytest.mark.slow  # ~40 s; int8 + demote above takes the same path in the default run
 def test_generation_with_80_percent_of_pages_demoted_to_host_is_exact():
     """Demote mode: 80% of the prompt pages go to pinned host memory, their device copies are
@@ -330,8 +380,6 @@ def test_retention_rejects_bad_options():
         generate.Retention(lambda view: None, mode="evict")
     with pytest.raises(ValueError, match="window"):
         generate.Retention(lambda view: None, window=0)
-    with pytest.raises(ValueError, match="scrub"):
-        generate.Retention(lambda view: None, scrub=True)
     with pytest.raises(ValueError, match="page RetentionPolicy"):
         generate.policy_select(offload.RetentionPolicy("h2o", 4, granularity="token"))
     _, _, server, prompts = _retention_setup()

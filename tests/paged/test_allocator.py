@@ -811,3 +811,48 @@ def test_token_ids_may_be_numpy_or_jax_arrays():
     alloc.settle(["a"], table, [5], token_ids=[np.asarray([5])])
     assert alloc.admit("b", [1, 2, 3, 4, 5, 0]).num_cached_tokens == 4
     alloc.validate()
+
+
+def test_release_pages_frees_only_pages_nobody_else_holds():
+    alloc = PageAllocator(16, 2, max_pages_per_seq=4)
+    alloc.admit("a", [1, 2, 3, 4, 5])
+    alloc.commit("a")
+    assert alloc.admit("b", [1, 2, 3, 4, 9]).num_cached_tokens == 4  # shares pages 1, 2
+    shared = alloc.page_table(["a"])[0, :2].tolist()
+    assert alloc.release_pages("b", [0, 1]).tolist() == []  # "a" still holds them
+    assert alloc.page_table(["b"])[0, :2].tolist() == [NULL_PAGE, NULL_PAGE]
+    assert alloc.lengths(["b"]).tolist() == [5]
+    alloc.validate()
+    assert alloc.release_pages("a", [1]).tolist() == [shared[1]]  # nobody holds it now
+    alloc.validate()
+    assert shared[1] not in alloc.page_table(["a", "b"])
+    # The freed page left the prefix cache: a new prompt re-uses page 1 only.
+    assert alloc.admit("c", [1, 2, 3, 4, 7]).num_cached_tokens == 2
+    alloc.fork("b", "d")  # the child shares the emptied slots as empty
+    assert alloc.page_table(["d"])[0, :2].tolist() == [NULL_PAGE, NULL_PAGE]
+    alloc.validate()
+    for seq in ("a", "b", "c", "d"):
+        alloc.free(seq)
+    alloc.validate()
+    assert alloc.stats().pages_used == 0
+
+
+@pytest.mark.no_typecheck
+def test_release_pages_errors():
+    alloc = PageAllocator(16, 2, max_pages_per_seq=4)
+    alloc.allocate("a", 5)
+    fn = "PageAllocator.release_pages"
+    with pytest.raises(ValueError, match=f"{fn}: slots: expected slots in \\[0, 3\\)"):
+        alloc.release_pages("a", [3])
+    with pytest.raises(ValueError, match=f"{fn}: slots: expected no partial last page"):
+        alloc.release_pages("a", [2])
+    with pytest.raises(ValueError, match=f"{fn}: slots: expected distinct slots"):
+        alloc.release_pages("a", [0, 0])
+    with pytest.raises(ValueError, match=f"{fn}: slots: expected a 1-D list of ints"):
+        alloc.release_pages("a", [0.5])
+    with pytest.raises(ValueError, match=f"{fn}: seq"):
+        alloc.release_pages("zz", [0])
+    alloc.release_pages("a", [0])
+    with pytest.raises(ValueError, match=f"{fn}: slots: expected slots still holding a page"):
+        alloc.release_pages("a", [0])
+    alloc.validate()

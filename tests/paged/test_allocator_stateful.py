@@ -75,9 +75,18 @@ class AllocatorMachine(RuleBasedStateMachine):
             return None, True
 
     def read(self, seq):
+        """The sequence's tokens through its pages; None at slots emptied by release_pages."""
         pages = self.alloc.sequence_pages(seq)
         length = self.alloc.sequence_length(seq)
-        return [self.device[int(pages[i // self.size])][i % self.size] for i in range(length)]
+        return [
+            None if pages[i // self.size] == NULL_PAGE else self.device[int(pages[i // self.size])][i % self.size]
+            for i in range(length)
+        ]  # fmt: skip
+
+    def expected(self, seq):
+        """``truth`` with None at the released slots (what :meth:`read` must return)."""
+        pages = self.alloc.sequence_pages(seq)
+        return [None if pages[i // self.size] == NULL_PAGE else t for i, t in enumerate(self.truth[seq])]  # fmt: skip
 
     # ---------------------------------------------------------------- rules
 
@@ -177,6 +186,32 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.free(seq)
         del self.truth[seq]
 
+    @precondition(lambda self: self.truth)
+    @rule(index=st.integers(0, 10**6), picks=st.lists(st.integers(0, 10**6), max_size=3))
+    def release(self, index, picks):
+        """Demotes some pages of a sequence; the freed ones are overwritten on the device."""
+        seq = self.pick(index)
+        pages = self.alloc.sequence_pages(seq)
+        length = self.alloc.sequence_length(seq)
+        partial = length % self.size != 0
+        held = [
+            i
+            for i, p in enumerate(pages)
+            if p != NULL_PAGE and not (partial and i == len(pages) - 1)
+        ]
+        if not held:
+            return
+        slots = sorted({held[i % len(held)] for i in picks})
+        before = {int(pages[i]) for i in slots}
+        freed = self.alloc.release_pages(seq, slots)
+        assert set(freed.tolist()) <= before
+        for table_seq in self.truth:  # a freed page is held by nobody
+            assert not set(freed.tolist()) & set(self.alloc.sequence_pages(table_seq).tolist())
+        for page in freed.tolist():
+            self.device[page] = ["scrubbed"] * self.size
+        if slots:
+            event("released pages")
+
     @rule(count=st.integers(0, 4))
     def reserve(self, count):
         pages, failed = self.expect_out_of_pages(lambda: self.alloc.reserve(count))
@@ -235,7 +270,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         self.alloc.validate()
         for seq, tokens in self.truth.items():
-            assert self.read(seq) == tokens, f"sequence {seq} reads back wrong tokens"
+            assert len(tokens) == self.alloc.sequence_length(seq)
+            assert self.read(seq) == self.expected(seq), f"sequence {seq} reads back wrong tokens"
         for page, entry in self.alloc._index.items():
             assert tuple(self.device[page]) == entry.tokens, f"cached page {page} contents"
         stats = self.alloc.stats()
