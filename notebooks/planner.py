@@ -14,14 +14,14 @@
 # ---
 
 # %% [markdown]
-# # Planning long-context serving with `offload.plan`
+# # Planning long-context serving with `offload.planning.plan`
 #
 # The article "The engineering truth of long-context inference, 2026: PagedAttention, Ring
 # Attention and KV cache offloading in practice, from 128K to 1M context" (in Chinese:
 # 长上下文推理的工程真相 2026) is at heart a decision procedure: three iron rules and a decision
 # tree (its section 5), twelve engineering rules (section 7) and three incidents (section 8).
-# `offload.plan(workload, hardware)` is that procedure as a pure-Python function over frozen
-# dataclasses: it answers the article's questions (KV bytes, page size, sequence parallelism
+# `offload.planning.plan(workload, hardware)` is that procedure as a pure-Python function
+# over frozen dataclasses: it answers the article's questions (KV bytes, page size, sequence parallelism
 # and its strategy, offload tiers, quantization, the sizing percentile) from *your* numbers,
 # with the model's weights and tensor parallelism counted, and every answer carries the
 # reasons that produced it: the rule, the numbers, the source (the article's section, or where
@@ -74,7 +74,7 @@ if not INTERACTIVE:  # a script (the test suite): draw off screen
 import matplotlib.pyplot as plt
 import numpy as np
 
-from offload import Hardware, LengthDistribution, ModelShape, Workload, plan
+from offload.planning import Hardware, LengthDistribution, ModelShape, Workload, plan
 
 GiB = 2**30
 RESULTS = {}  # what this notebook computed (written to $NOTEBOOK_RESULTS when set)

@@ -25,6 +25,12 @@ Transfers take their source first, then their destination, and all return a
 orchestration, not jittable); the policies, attention-mass helpers and
 :func:`mixed_residency_attention` are pure and jittable with their options bound
 (``jax.jit(functools.partial(select_keep, policy=policy))``).
+
+Two public subpackages build on this core and are imported only when asked for
+(``import offload`` imports neither): :mod:`offload.planning` (:func:`plan` and its cost
+model) and :mod:`offload.monitoring` (metrics, alerts, Prometheus text, prompt hygiene). The
+core never imports them; their former top-level names (``offload.plan``,
+``offload.to_prometheus``, ...) raise an ``AttributeError`` that names the new location.
 """
 
 from offload._attention_mass import (
@@ -50,6 +56,7 @@ from offload._staging import make_staging_pool, staging_table
 from offload._stats import (
     DIRECTIONS,
     TIERS,
+    OffloadSnapshot,
     OffloadStats,
     TransferTotals,
     measure_bytes,
@@ -57,43 +64,6 @@ from offload._stats import (
 )
 from offload._tiers import TransferHandle, host_memory_kind, ready, to_device, to_host, wait
 from offload._transfers import page_in, page_out, prefetch_layer
-
-# monitoring
-# isort: split
-from offload._metric_families import METRIC_FAMILIES
-from offload._monitoring import (
-    Alert,
-    MetricsConfig,
-    MetricsReport,
-    MetricsSnapshot,
-    Monitor,
-    compute_metrics,
-)
-from offload._prometheus import PROMETHEUS_CONTENT_TYPE, escape_label_value, to_prometheus
-from offload._prompt_hygiene import (
-    PromptHygiene,
-    PromptSpan,
-    find_high_cardinality_spans,
-    replay_hit_rate,
-)
-from offload._stats import OffloadSnapshot
-
-# planner
-# isort: split
-from offload._cost_model import CostEstimate
-from offload._planner import ARTICLE, ARTICLE_RULES, ARTICLE_SECTIONS, MEASURED, TIE_THRESHOLD, plan
-from offload._planner_types import (
-    KV_FORMATS,
-    Decision,
-    Hardware,
-    LengthDistribution,
-    ModelShape,
-    Plan,
-    PlanRow,
-    Reason,
-    Tiers,
-    Workload,
-)
 
 __all__: list[str] = [
     # retention policies
@@ -123,6 +93,7 @@ __all__: list[str] = [
     "DiskStore",
     "HostPagePool",
     "OffloadManager",
+    "OffloadSnapshot",
     "OffloadStats",
     "TIERS",
     "TransferHandle",
@@ -138,23 +109,9 @@ __all__: list[str] = [
     "to_device",
     "to_host",
     "wait",
-    # monitoring
-    "METRIC_FAMILIES",
-    "PROMETHEUS_CONTENT_TYPE",
-    "Alert",
-    "MetricsConfig",
-    "MetricsReport",
-    "MetricsSnapshot",
-    "Monitor",
-    "OffloadSnapshot",
-    "PromptHygiene",
-    "PromptSpan",
-    "compute_metrics",
-    "escape_label_value",
-    "find_high_cardinality_spans",
-    "replay_hit_rate",
-    "to_prometheus",
-    # planner
+]
+
+_PLANNING = (
     "ARTICLE",
     "ARTICLE_RULES",
     "ARTICLE_SECTIONS",
@@ -172,4 +129,37 @@ __all__: list[str] = [
     "TIE_THRESHOLD",
     "Workload",
     "plan",
-]
+)
+_MONITORING = (
+    "METRIC_FAMILIES",
+    "PROMETHEUS_CONTENT_TYPE",
+    "Alert",
+    "MetricsConfig",
+    "MetricsReport",
+    "MetricsSnapshot",
+    "Monitor",
+    "PromptHygiene",
+    "PromptSpan",
+    "compute_metrics",
+    "escape_label_value",
+    "find_high_cardinality_spans",
+    "replay_hit_rate",
+    "to_prometheus",
+)
+_MOVED = {name: "planning" for name in _PLANNING} | {name: "monitoring" for name in _MONITORING}
+
+
+def __getattr__(name: str):
+    """Names that moved to a subpackage fail with their new location (nothing is imported)."""
+    if name in _MOVED:
+        sub = _MOVED[name]
+        raise AttributeError(
+            f"offload.{name} moved to offload.{sub}.{name}: "
+            f"use `from offload.{sub} import {name}` (see the README's migration table)"
+        )
+    if name in ("planning", "monitoring"):
+        raise AttributeError(
+            f"offload.{name} is a subpackage that `import offload` does not import: "
+            f"use `import offload.{name}` or `from offload.{name} import ...`"
+        )
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")

@@ -11,7 +11,7 @@ The counters are host-side state that several threads may update (a prefetch thr
 scheduler): every method holds one lock, so concurrent ``record_*`` calls lose no update, and
 :meth:`OffloadStats.snapshot` returns one consistent, immutable :class:`OffloadSnapshot`
 (rates over a window come from two snapshots and the wall time between them, see
-:func:`offload.compute_metrics`).
+:func:`offload.monitoring.compute_metrics`).
 """
 
 import dataclasses

@@ -20,26 +20,66 @@ MULTIHOST_EXAMPLE = ROOT / "examples" / "multihost" / "ring_two_process.py"
 
 
 def _imports(path):
+    """Every module ``path`` imports; ``from m import _x`` also yields ``m._x`` (a private name)."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.module
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    yield f"{node.module}.{alias.name}"
+
+
+def _is_public(module):
+    return not any(part.startswith("_") for part in module.split("."))
+
+
+def _package_of(path):
+    """``offload/planning/_planner.py`` -> ``offload.planning`` (the package it belongs to)."""
+    return ".".join(path.parent.relative_to(ROOT).parts)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_dependency_direction_and_public_names_only(package):
-    allowed_private = {package}
+    """A package (or public subpackage) imports its own private modules, only public names of
+    the packages before it and of its parent package, and never its own subpackages: the
+    ``offload`` core never imports ``offload.planning`` or ``offload.monitoring``."""
     forbidden = set(PACKAGES[PACKAGES.index(package) + 1 :])
-    for path in sorted((ROOT / package).glob("*.py")):
+    paths = sorted((ROOT / package).rglob("*.py"))
+    assert paths
+    for path in paths:
+        own = _package_of(path)
+        where = path.relative_to(ROOT).as_posix()
         for module in _imports(path):
             top, *rest = module.split(".")
             assert top not in forbidden, (
-                f"{path.name} imports {module}: {package} may not import upward"
+                f"{where} imports {module}: {package} may not import upward"
             )
-            if top in PACKAGES and top not in allowed_private:
-                assert not rest, f"{path.name} imports {module}: use {top}'s public names only"
+            if module.startswith(own + "."):
+                below = module[len(own) + 1 :].split(".")[0]
+                assert below.startswith("_"), (
+                    f"{where} imports {module}: {own} may not import its subpackage {below}"
+                )
+            elif top in PACKAGES and module != own:
+                assert _is_public(module), f"{where} imports {module}: use public names only"
+
+
+def test_offload_subpackages_are_public_and_not_imported_by_the_core():
+    subpackages = sorted(p.parent for p in (ROOT / "offload").glob("*/__init__.py"))
+    assert [p.name for p in subpackages] == ["monitoring", "planning"]
+    code = (
+        "import sys\n"
+        "import offload\n"
+        "loaded = [m for m in ('offload.planning', 'offload.monitoring') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "assert not hasattr(offload, 'plan') and not hasattr(offload, 'to_prometheus')\n"
+        "import offload.planning, offload.monitoring\n"
+        "assert offload.planning.plan and offload.monitoring.to_prometheus\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _consumer_sources():
@@ -50,7 +90,9 @@ def test_consumers_use_public_names_only():
     for path in _consumer_sources():
         for module in _imports(path):
             top, *rest = module.split(".")
-            assert not (top in PACKAGES and rest), f"{path.relative_to(ROOT)} imports {module}"
+            assert not (top in PACKAGES and not _is_public(module)), (
+                f"{path.relative_to(ROOT)} imports {module}: use public names only"
+            )
 
 
 def test_tests_use_other_packages_public_names_only():
@@ -60,7 +102,7 @@ def test_tests_use_other_packages_public_names_only():
         own = rel.parts[0] if len(rel.parts) > 1 and rel.parts[0] in PACKAGES else None
         for module in _imports(path):
             top, *rest = module.split(".")
-            assert not (top in PACKAGES and rest and top != own), (
+            assert not (top in PACKAGES and not _is_public(module) and top != own), (
                 f"tests/{rel.as_posix()} imports {module}: use {top}'s public names only"
             )
 
@@ -195,12 +237,12 @@ def test_readme_example_runs_and_prints_its_check(tmp_path):
 def test_import_is_light_and_touches_no_backend():
     code = (
         "import sys\n"
-        "import ringattn, paged, offload\n"
+        "import ringattn, paged, offload, offload.planning, offload.monitoring\n"
         "heavy = [m for m in ('flax', 'optax', 'orbax', 'tensorstore') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "from jax._src import xla_bridge\n"
         "assert not xla_bridge._backends, 'a JAX backend was initialised at import time'\n"
-        "for pkg in (ringattn, paged, offload):\n"
+        "for pkg in (ringattn, paged, offload, offload.planning, offload.monitoring):\n"
         "    missing = [n for n in pkg.__all__ if not hasattr(pkg, n)]\n"
         "    assert not missing, (pkg.__name__, missing)\n"
     )

@@ -1,7 +1,7 @@
 """The metric families of the monitoring exports: names, Prometheus types and help texts.
 
-One table shared by :func:`offload.compute_metrics` (which emits these names) and
-:func:`offload.to_prometheus` (which prints their ``# HELP`` and ``# TYPE`` lines). Every name
+One table shared by :func:`offload.monitoring.compute_metrics` (which emits these names) and
+:func:`offload.monitoring.to_prometheus` (which prints their ``# HELP`` and ``# TYPE`` lines). Every name
 starts with ``longctx_``.
 """
 

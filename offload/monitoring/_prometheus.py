@@ -1,6 +1,6 @@
 """Prometheus text exposition format 0.0.4 for the flat metrics dict (no server, no client).
 
-:func:`to_prometheus` prints ``{sample key: value}`` (from :func:`offload.compute_metrics`, or
+:func:`to_prometheus` prints ``{sample key: value}`` (from :func:`offload.monitoring.compute_metrics`, or
 any dict of the same form) as a scrape page: one ``# HELP`` and ``# TYPE`` line per family,
 then its samples together; histograms as cumulative ``_bucket{le="..."}`` samples in
 increasing ``le`` order ending with ``le="+Inf"``, then ``_sum`` and ``_count``. Serve the
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from offload._metric_families import METRIC_FAMILIES
+from offload.monitoring._metric_families import METRIC_FAMILIES
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "escape_label_value", "to_prometheus"]
 
@@ -166,7 +166,7 @@ def to_prometheus(
     """Prints a flat metrics dict in the Prometheus text exposition format 0.0.4.
 
     Families are printed in the order their first sample appears; types and help texts come
-    from :data:`offload.METRIC_FAMILIES` (other names are ``untyped``). Label values are
+    from :data:`offload.monitoring.METRIC_FAMILIES` (other names are ``untyped``). Label values are
     escaped (``\\`` ``"`` and newline); ints print exactly, floats with ``repr``, and NaN /
     infinities as ``NaN`` / ``+Inf`` / ``-Inf``.
 

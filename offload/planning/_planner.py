@@ -3,7 +3,7 @@
 The article is :data:`ARTICLE` (in Chinese); its rules are cited by section
 (:data:`ARTICLE_SECTIONS`).
 
-Pure Python over the frozen dataclasses of :mod:`offload._planner_types`; no arrays. The
+Pure Python over the frozen dataclasses of :mod:`offload.planning._planner_types`; no arrays. The
 order of decisions, each recorded with its reasons:
 
 1. sizing length (rule 1): ``p95 + 2 sigma``, capped at the longest request, never the max;
@@ -16,7 +16,7 @@ order of decisions, each recorded with its reasons:
    the group stays inside one node and what does not fit goes to pinned host memory, then
    disk. A quantized format is chosen only when it turns "does not fit on devices" into "fits";
 4. the strategy for the degree, by head counts and links, then by the cost model
-   (:mod:`offload._cost_model`); estimates within :data:`TIE_THRESHOLD` are reported as ties;
+   (:mod:`offload.planning._cost_model`); estimates within :data:`TIE_THRESHOLD` are reported as ties;
 5. tiers, retention (fetch cold pages back, never drop them: this repo's measurements), prefix
    saving, the cost estimate and whether the request fits at all.
 """
@@ -24,8 +24,13 @@ order of decisions, each recorded with its reasons:
 import dataclasses
 import math
 
-from offload._cost_model import CostEstimate, estimate_decode, estimate_prefill, prefill_flops
-from offload._planner_types import (
+from offload.planning._cost_model import (
+    CostEstimate,
+    estimate_decode,
+    estimate_prefill,
+    prefill_flops,
+)
+from offload.planning._planner_types import (
     Decision,
     Hardware,
     Plan,
@@ -498,7 +503,7 @@ def plan(workload: Workload, hardware: Hardware) -> Plan:
     """Plan KV storage, parallelism and offload for a workload on a cluster.
 
     Pure Python, deterministic, every field of the result with the reasons that produced it
-    (see :mod:`offload._planner` for the order of decisions and :data:`ARTICLE_RULES`).
+    (see :mod:`offload.planning._planner` for the order of decisions and :data:`ARTICLE_RULES`).
 
     Args:
       workload: a :class:`Workload` (model shape, length distribution, prefix reuse, allowed
@@ -513,7 +518,7 @@ def plan(workload: Workload, hardware: Hardware) -> Plan:
         their own fields when built).
 
     Example:
-      >>> from offload import Hardware, LengthDistribution, ModelShape, Workload, plan
+      >>> from offload.planning import Hardware, LengthDistribution, ModelShape, Workload, plan
       >>> model = ModelShape(layers=80, query_heads=64, kv_heads=8, head_dim=128,
       ...                    params=70_553_706_496)  # Llama-3-70B
       >>> lengths = LengthDistribution.from_percentiles(262144, 262144, 262144)

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from offload import _checks
-from offload._cost_model import (
+from offload.planning import _checks
+from offload.planning._cost_model import (
     BLOCKWISE_FORWARD_EFFICIENCY,
     CPU_MATMUL_FLOPS,
     CPU_MEMCPY_BYTES_PER_S,

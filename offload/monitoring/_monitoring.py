@@ -5,7 +5,7 @@
 them) into a flat ``{sample: value}`` dict and the :class:`Alert` s that fire under a
 :class:`MetricsConfig`. Sample keys are Prometheus sample names with their labels
 (``'longctx_offload_transfer_bytes_total{direction="host_to_disk"}'``), so
-:func:`offload.to_prometheus` can print them as a scrape page; the dict itself is JSON-ready.
+:func:`offload.monitoring.to_prometheus` can print them as a scrape page; the dict itself is JSON-ready.
 
 What maps to what in the seed article:
 
@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from offload._checks import check_float, check_int
-from offload._metric_families import METRIC_PREFIX
-from offload._stats import DIRECTIONS, TIERS, OffloadSnapshot, OffloadStats
+from offload import DIRECTIONS, TIERS, OffloadSnapshot, OffloadStats
+from offload.monitoring._checks import check_float, check_int
+from offload.monitoring._metric_families import METRIC_PREFIX
 from paged import AllocatorStats, PageAllocator
 
 __all__ = [

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 NOTEBOOK = ROOT / "notebooks" / "planner.py"
 GiB = 2**30
 

@@ -1,4 +1,4 @@
-"""offload.plan: the seed article's decision procedure, checked against independent arithmetic,
+"""offload.planning.plan: the seed article's decision procedure, checked against independent arithmetic,
 numpy, the library's real page pools and this repo's measured results (benchmarks/results)."""
 
 import dataclasses
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import paged
-from offload import (
+from offload.planning import (
     ARTICLE,
     ARTICLE_RULES,
     ARTICLE_SECTIONS,
@@ -30,11 +30,11 @@ from offload import (
     Workload,
     plan,
 )
-from offload import _cost_model as cost_model
-from offload._planner import _choose_strategy
-from offload._planner_types import RATE_FIELDS
+from offload.planning import _cost_model as cost_model
+from offload.planning._planner import _choose_strategy
+from offload.planning._planner_types import RATE_FIELDS
 
-RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 GiB = 2**30
 K128, K512 = 128 * 1024, 512 * 1024
 

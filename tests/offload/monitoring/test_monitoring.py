@@ -16,17 +16,15 @@ import threading
 import numpy as np
 import pytest
 
-from offload import (
+from offload import OffloadSnapshot, OffloadStats, TransferTotals
+from offload.monitoring import (
     METRIC_FAMILIES,
     PROMETHEUS_CONTENT_TYPE,
     Alert,
     MetricsConfig,
     MetricsSnapshot,
     Monitor,
-    OffloadSnapshot,
-    OffloadStats,
     PromptSpan,
-    TransferTotals,
     compute_metrics,
     escape_label_value,
     find_high_cardinality_spans,

@@ -1,7 +1,7 @@
 """A small cost model of long-context serving; every rate and efficiency is a field of
-:class:`offload.Hardware` (labelled assumed or measured there).
+:class:`offload.planning.Hardware` (labelled assumed or measured there).
 
-The planner (:func:`offload.plan`) uses it to compare sequence-parallel strategies and to
+The planner (:func:`offload.planning.plan`) uses it to compare sequence-parallel strategies and to
 estimate prefill and decode times. It is deliberately small: four terms per strategy, summed
 over the ``L`` layers of one causal prefill of ``S`` tokens on ``D`` sequence-parallel groups
 of ``TP`` tensor-parallel devices (``N``, ``K`` below are one device's heads: ``N / TP`` and
@@ -39,7 +39,7 @@ whichever is slower), the device-resident KV read at ``memory_bandwidth`` times
 ``decode_vs_bandwidth``, host pages fetched at ``host_bandwidth * page_in_efficiency`` per
 device, disk pages at ``disk_bandwidth``.
 
-The module constants are this repo's CPU measurements; :meth:`offload.Hardware.emulated_cpu`
+The module constants are this repo's CPU measurements; :meth:`offload.planning.Hardware.emulated_cpu`
 carries them (labelled with their results files), and nothing else uses them.
 
 Not modelled: the backward pass (training), kernel fusion details, contention between
@@ -235,7 +235,7 @@ def estimate_prefill(
       strategy: as :func:`communication_bytes`.
       S, L, N, K, H, D, itemsize: tokens, layers, query heads, kv heads (the whole model's),
         head dim, sequence-parallel groups and bytes per element.
-      hardware: an :class:`offload.Hardware` (FLOP/s, bandwidths, latency, overlap,
+      hardware: an :class:`offload.planning.Hardware` (FLOP/s, bandwidths, latency, overlap,
         ``attention_efficiency``).
       ulysses_degree: ``u`` of ``"usp"``.
       params: the model's parameters: ``2 * params * S`` linear FLOPs, split over the
@@ -301,7 +301,7 @@ def estimate_decode(
       device_bytes, host_bytes, disk_bytes: the request's KV bytes in each tier (all layers,
         all devices of the group together).
       D: sequence-parallel groups the KV is split over.
-      hardware: an :class:`offload.Hardware`.
+      hardware: an :class:`offload.planning.Hardware`.
       weight_bytes_per_device: the weights each device reads once per token.
       params: the model's parameters (``2 * params`` linear FLOPs per token).
       tensor_parallel: ``TP``: devices per group.

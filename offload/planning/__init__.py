@@ -1,0 +1,64 @@
+"""Planning a long-context deployment: :func:`plan` (workload, hardware) and its cost model.
+
+``offload.planning`` is a public subpackage of ``offload`` (as ``optax.schedules`` is of
+``optax``): ``import offload`` does not import it; ``from offload.planning import plan`` does.
+It is pure Python over frozen dataclasses, with no arrays: a :class:`Workload` (request
+lengths as a :class:`LengthDistribution`, a :class:`ModelShape`, prefix reuse, tensor
+parallelism, the lossy KV formats allowed) and a :class:`Hardware` go in; a :class:`Plan`
+comes out, every field with the :class:`Reason` s that decided it, each citing the article
+(:data:`ARTICLE`, :data:`ARTICLE_SECTIONS`) or this repository's measurements
+(:data:`MEASURED`). :class:`CostEstimate` is the cost model's answer for one strategy.
+
+Shape legend (as in ``ringattn``, ``paged`` and ``offload``):
+
+====  ==========================================
+S     tokens of one request (its sizing length)
+N     query heads
+K     key/value heads
+H     head dim
+C     tokens per page
+L     layers
+====  ==========================================
+"""
+
+from offload.planning._cost_model import CostEstimate
+from offload.planning._planner import (
+    ARTICLE,
+    ARTICLE_RULES,
+    ARTICLE_SECTIONS,
+    MEASURED,
+    TIE_THRESHOLD,
+    plan,
+)
+from offload.planning._planner_types import (
+    KV_FORMATS,
+    Decision,
+    Hardware,
+    LengthDistribution,
+    ModelShape,
+    Plan,
+    PlanRow,
+    Reason,
+    Tiers,
+    Workload,
+)
+
+__all__: list[str] = [
+    "ARTICLE",
+    "ARTICLE_RULES",
+    "ARTICLE_SECTIONS",
+    "CostEstimate",
+    "Decision",
+    "Hardware",
+    "KV_FORMATS",
+    "LengthDistribution",
+    "MEASURED",
+    "ModelShape",
+    "Plan",
+    "PlanRow",
+    "Reason",
+    "Tiers",
+    "TIE_THRESHOLD",
+    "Workload",
+    "plan",
+]
