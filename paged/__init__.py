@@ -11,7 +11,7 @@ N     query heads
 K     key/value heads
 H     head dim
 P     pages in a pool (page 0 is the reserved null page)
-C     tokens per page (a power of two)
+C     tokens per page (any positive int; Pallas GPU decode: a power of two >= 16)
 M     pages per sequence (page-table width)
 L     layers
 D     devices along ``seq_axis`` (sharded pools)

@@ -136,7 +136,8 @@ class PageAllocator(DeviceHandOver, PoolMetrics):
 
     Args:
       num_pages: ``P``, pages in the pool including the null page; ``>= 2``.
-      page_size: ``C``, tokens per page; a power of two.
+      page_size: ``C``, tokens per page; any int >= 1 (the rule of
+        :func:`paged.init_paged_cache`).
       max_pages_per_seq: ``M``, page-table width; a sequence holds at most ``M * C`` tokens.
 
     Raises:

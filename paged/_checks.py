@@ -231,10 +231,16 @@ def check_heads(fn: str, q, K: int, H: int, pool_dtype) -> None:
     N, Hq = q.shape[-2], q.shape[-1]
     if Hq != H:
         raise ValueError(f"{fn}: q: expected head dim {H} (that of k_pages), got {q.shape}")
+    if N >= 1 and K > N:  # more kv heads than query heads: the pool is laid out otherwise
+        raise ValueError(
+            f"{fn}: k_pages: expected [K, P, C, H] with K kv heads dividing the N={N} query "
+            f"heads of q (MHA, GQA, MQA), got K={K}: a pool laid out [P, C, K, H] needs "
+            f".transpose(2, 0, 1, 3) first"
+        )
     if N < 1 or N % K != 0:
         raise ValueError(
             f"{fn}: q: expected query heads N a positive multiple of kv heads K={K} "
-            f"(MHA, GQA, MQA), got N={N}"
+            f"(MHA, GQA, MQA; K is k_pages' first axis, [K, P, C, H]), got N={N}"
         )
     if pool_dtype is not None and q.dtype != pool_dtype:
         raise ValueError(f"{fn}: q: expected dtype {pool_dtype} (the pages' dtype), got {q.dtype}")

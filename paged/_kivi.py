@@ -51,6 +51,7 @@ import jax.numpy as jnp
 __all__ = [
     "decode",
     "encode",
+    "nonfinite",
     "pack2",
     "reseat",
     "substitute_residual",
@@ -60,6 +61,13 @@ __all__ = [
 ]
 
 _LEVELS = 3.0  # codes 0 .. 3
+
+
+def nonfinite(x, axis):
+    """Whether each group of ``x`` along ``axis`` holds a NaN or inf: a count of non-finite
+    values, never a max / min reduction (XLA:CPU's vectorized max / min drops NaN past a few
+    thousand values, so a NaN cannot be trusted to reach the result of one)."""
+    return jnp.sum(~jnp.isfinite(x), axis=axis, dtype=jnp.int32) > 0
 
 
 def pack2(q):
@@ -91,7 +99,7 @@ def encode(x, grouping: str):
     q = jnp.round((x - z) / jnp.where(positive, s, 1.0))
     q = jnp.where(positive, jnp.clip(q, 0.0, _LEVELS), 0.0)
     q = jnp.where(jnp.isnan(q), 0.0, q)  # a NaN group: its stats carry the NaN
-    bad = ~jnp.isfinite(hi - lo)
+    bad = nonfinite(x, axis) | ~jnp.isfinite(hi - lo)  # min / max may have dropped a NaN
     scale = jnp.where(bad, jnp.nan, scale).astype(jnp.bfloat16)
     return pack2(q), scale, zero
 

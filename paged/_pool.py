@@ -64,8 +64,9 @@ class PoolState:
             raise ValueError(
                 f"{fn}: num_pages: expected an int >= 2 (page 0 is null), got {num_pages!r}"
             )
-        if not is_int(page_size) or page_size < 1 or page_size & (page_size - 1):
-            raise ValueError(f"{fn}: page_size: expected a power of two >= 1, got {page_size!r}")
+        # Any positive C, the rule of init_paged_cache and the XLA kernels (the Pallas GPU
+        # decode states its own, a power of two >= 16, when impl="pallas" asks for it).
+        int_option(fn, "page_size", page_size, minimum=1)
         int_option(fn, "max_pages_per_seq", max_pages_per_seq, minimum=1)
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)

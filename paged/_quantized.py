@@ -84,9 +84,10 @@ _TINY = 2.0**-126  # float32's smallest normal: smaller scales are flushed, the 
 
 def _absmax_scale(x, qmax, axis=-1):
     """``(scale, keep)`` of float32 ``x``: ``absmax / qmax`` along ``axis`` (NaN where the
-    vector holds NaN / inf) and whether the vector stores non-zero levels."""
+    vector holds NaN / inf) and whether the vector stores non-zero levels. The NaN comes from
+    a count of non-finite values: XLA:CPU's max reduction drops NaN in larger arrays."""
     absmax = jnp.max(jnp.abs(x), axis=axis)
-    finite = jnp.isfinite(absmax)
+    finite = ~_kivi.nonfinite(x, axis) & jnp.isfinite(absmax)
     scale = jnp.where(finite, absmax / qmax, jnp.nan)
     return scale, finite & (scale >= _TINY)
 

@@ -8,6 +8,7 @@ truncated to an int.
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,6 +20,7 @@ __all__ = [
     "check_ids",
     "check_int",
     "check_qkv",
+    "check_static",
     "describe",
     "fail",
 ]
@@ -39,9 +41,25 @@ def describe(x) -> str:
     return f"{type(x).__name__} {x!r}"
 
 
+def check_static(fn: str, arg: str, value, what: str) -> None:
+    """Raises the library's error for an option that arrived traced (``jax.jit(f)(...,
+    causal=True)``): it says so, and how to bind the option before ``jit``."""
+    if isinstance(value, jax.core.Tracer):
+        name = arg.split("[")[0].split(".")[0]  # window[0] -> window
+        raise fail(
+            fn,
+            arg,
+            f"{what} known before tracing (options are static)",
+            f"a traced value ({describe(value)}): bind it before jax.jit, "
+            f"jax.jit(functools.partial({fn}, {name}=...)) or "
+            f"jax.jit({fn}, static_argnames=({name!r},))",
+        )
+
+
 def check_int(fn: str, arg: str, value, *, minimum: int | None = None) -> int:
     """A Python or numpy integer (not ``bool``, not a float) ``>= minimum``, as a Python int."""
     what = "an int" if minimum is None else f"an int >= {minimum}"
+    check_static(fn, arg, value, what)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise fail(fn, arg, what, describe(value))
     value = int(value)
@@ -53,6 +71,7 @@ def check_int(fn: str, arg: str, value, *, minimum: int | None = None) -> int:
 def check_float(fn: str, arg: str, value, *, positive: bool = False, finite: bool = True) -> float:
     """A Python or numpy int/float scalar (not ``bool``), as a Python float."""
     what = "a positive finite float" if positive else "a finite float" if finite else "a float"
+    check_static(fn, arg, value, what)
     if isinstance(value, (bool, np.bool_)) or not isinstance(
         value, (int, float, np.integer, np.floating)
     ):
@@ -67,6 +86,7 @@ def check_float(fn: str, arg: str, value, *, positive: bool = False, finite: boo
 
 def check_bool(fn: str, arg: str, value) -> bool:
     """A Python or numpy bool, as a Python bool."""
+    check_static(fn, arg, value, "a bool")
     if not isinstance(value, (bool, np.bool_)):
         raise fail(fn, arg, "a bool", describe(value))
     return bool(value)

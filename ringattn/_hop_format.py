@@ -16,8 +16,8 @@ Formats (absmax over the head dim ``H`` of one token and kv head):
   format's subnormal range.
 
 An all-zero token gets ``scale = 0`` and dequantizes to exact zeros. A token whose row holds
-NaN or inf gets a NaN (or inf) scale and dequantizes to non-finite values across its whole
-row (that token and kv head only); a key no query may see still has no effect.
+NaN or inf gets a NaN scale and data 0, and dequantizes to NaN across its whole row (that
+token and kv head only), at any array size; a key no query may see still has no effect.
 
 Gradients are straight-through: the backward ring sends the same quantized K/V (and float32
 dK/dV accumulators, unquantized), so ``dq`` is the exact gradient of attention over the
@@ -97,9 +97,13 @@ def quantize_rows(x, hop_format: str) -> QuantizedHop:
     """:func:`quantize_hop` on validated inputs (traceable, any floating dtype)."""
     dtype, top = _FORMATS[hop_format]
     x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) / top  # NaN / inf in a row propagate to its scale
+    scale = jnp.max(jnp.abs(x), axis=-1) / top
+    # A row holding NaN / inf gets a NaN scale, from a count of its non-finite values: XLA:CPU's
+    # max reduction drops NaN in larger arrays, so the max alone cannot be trusted to carry it.
+    bad = jnp.sum(~jnp.isfinite(x), axis=-1, dtype=jnp.int32) > 0
+    scale = jnp.where(bad, jnp.nan, scale)
     safe = jnp.where(scale > 0, scale, 1.0)[..., None]
-    y = jnp.where(scale[..., None] > 0, x / safe, 0.0)
+    y = jnp.where(scale[..., None] > 0, x / safe, 0.0)  # 0 in a NaN row: its scale carries it
     if hop_format == "int8":
         y = jnp.round(y)
     y = jnp.clip(y, -top, top)  # NaN stays NaN (its scale is NaN too)

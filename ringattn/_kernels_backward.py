@@ -2,11 +2,17 @@
 
 The backward pass recomputes each block's probabilities from ``(q, k, v, lse)``, so memory
 stays linear in ``T + S``. It works *transposed*, with keys along the rows of every block
-(``s^T = k q^T``, ``[bk, G * bq]`` per ``(B, K)``), so each of its five block products is a
-plain row-major batched matmul (``[b, m, k] x [b, k, n]``): ``dv += p^T do``,
-``dp^T = v do^T``, ``dk += ds^T q`` and ``dq^T += k^T ds^T``. The row-major and transposed
-copies of ``q`` and ``dout`` that these need are laid out once per call, block-major, instead
-of transposing ``[bq, bk]`` probabilities (or ``[bq, H]`` operands) inside the loop.
+(``p^T``, ``[bk, G * bq]`` per ``(B, K)``), so four of its block products are plain row-major
+batched matmuls (``[b, m, k] x [b, k, n]``): ``dv += p^T do``, ``dp^T = v do^T``,
+``dk += ds^T q`` and ``dq^T += k^T ds^T``. The row-major copies of ``q`` and ``dout`` and the
+transposed one of ``dout`` are laid out once per call, block-major.
+
+The logits are the exception: they are recomputed as the forward computes them, ``s = q k^T``
+(``[G * bq, bk]``, the same operands in the same orientation, :func:`recompute_logits`), and
+transposed. ``exp(s - lse)`` is only right where ``s`` is the forward's ``s`` to the last bit:
+with logits of size ``|s|``, a recomputation that rounds differently (``k q^T`` sums in
+another order on XLA:CPU when ``G * bq != bk``) is off by a few ulps of ``|s|``, and so is
+every probability, relatively: ``2e-2`` in ``dv`` at ``|s| ~ 2e4``, with grouped queries.
 
 Per key block, two loops with no branch visit only the live query blocks: the full ones
 (unmasked), then the partial ones (masked; :func:`ringattn._blocks.visit_orders`); a
@@ -41,13 +47,12 @@ from ringattn._varying import cast_varying, varying_axes
 class QueryBlocks(NamedTuple):
     """The query side of the backward, block-major, laid out once for all key sets.
 
-    ``q_rows, do_rows [nq, B, K, G * bq, H]``, their transposes ``q_cols, do_cols
-    [nq, B, K, H, G * bq]``, and ``lse, delta [nq, B, K, 1, G, bq]`` float32 (``lse`` with
-    ``-inf`` replaced by 0: such a row's probabilities are 0 anyway, from its masked logits).
+    ``q_rows, do_rows [nq, B, K, G * bq, H]``, the transpose ``do_cols [nq, B, K, H,
+    G * bq]``, and ``lse, delta [nq, B, K, 1, G, bq]`` float32 (``lse`` with ``-inf``
+    replaced by 0: such a row's probabilities are 0 anyway, from its masked logits).
     """
 
     q_rows: jax.Array
-    q_cols: jax.Array
     do_rows: jax.Array
     do_cols: jax.Array
     lse: jax.Array
@@ -58,7 +63,6 @@ def query_blocks(qg, lse, dout, delta, bq: int) -> QueryBlocks:
     """:class:`QueryBlocks` of ``qg, dout [B, Tp, K, G, H]``, ``lse, delta [B, K, G, Tp]``."""
     return QueryBlocks(
         q_rows=rows_blocks(qg, bq),
-        q_cols=cols_blocks(qg, bq),
         do_rows=rows_blocks(dout, bq),
         do_cols=cols_blocks(dout, bq),
         lse=_stat_blocks(jnp.where(jnp.isneginf(lse), 0.0, lse), bq),
@@ -87,6 +91,24 @@ def update_backward_blocks(
         out_axes=(1, 0),
     )
     return kernel(dq_t, dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
+
+
+def recompute_logits(q_blk, k_blk_t, G: int):
+    """The forward's unscaled block products, transposed: ``[B, K, bk, G, bq]`` float32.
+
+    ``q_blk [B, K, G * bq, H]`` times ``k_blk_t [B, K, H, bk]``, exactly the product the
+    forward takes (:mod:`ringattn._kernels_forward`), then transposed, so the probabilities
+    ``exp(s - lse)`` see the logits ``lse`` was computed from. Computing ``k q^T`` directly
+    instead rounds differently on XLA:CPU for some shapes (``G * bq != bk``), which large
+    logits turn into errors of the gradients (see the module docs).
+    """
+    B, K, R, _ = q_blk.shape
+    s = jnp.matmul(q_blk, k_blk_t, preferred_element_type=jnp.float32)  # [B, K, G * bq, bk]
+    # The barrier keeps XLA from folding the transpose into the product (as k q^T, which is
+    # what must not happen; for bfloat16 XLA:CPU cannot even run that dot: "Unsupported
+    # element type for DotThunk").
+    s = lax.optimization_barrier(s)
+    return jnp.swapaxes(s, 2, 3).reshape(B, K, k_blk_t.shape[-1], G, R // G)
 
 
 def _stat_blocks(x, bq: int):
@@ -124,7 +146,7 @@ def _update_backward(
     kinds = summ.kinds(cfg, nq, nk)  # [nq, nk]
     axes = varying_axes(dq_t, dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
     softcap = cfg.mask.softcap
-    q_rows, q_cols, do_rows, do_cols, lse_b, delta_b = qb
+    q_rows, do_rows, do_cols, lse_b, delta_b = qb
 
     # k^T blocks laid out once (as the forward's): transposing each key block inside the loop
     # lets XLA fold the transpose into the dq product, and XLA:CPU cannot run the folded
@@ -153,7 +175,7 @@ def _update_backward(
                 k_blk_t = jnp.where(jnp.swapaxes(seen, 2, 3), k_blk_t, 0)
                 mask_t = jnp.moveaxis(mask, 4, 2)  # [B, K or 1, bk, G or 1, bq]
             mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
-            s_t, t = cap_logits(cfg, mm(k_blk, q_cols[i]).reshape(B, K, bk, G, bq))
+            s_t, t = cap_logits(cfg, recompute_logits(q_rows[i], k_blk_t, G))
             if masked:
                 s_t = jnp.where(mask_t, s_t, -jnp.inf)
             p_t = jnp.exp(s_t - lse_b[i])  # [B, K, bk, G, bq]

@@ -241,7 +241,9 @@ def resolve_mask(
     try:
         return MaskSpec(causal=causal, window=window, softcap=softcap, scale=scale)
     except ValueError as err:
-        raise ValueError(f"{fn}: {str(err).removeprefix('MaskSpec: ')}") from None
+        # The message names fn, in its advice on binding a traced option too.
+        message = str(err).removeprefix("MaskSpec: ").replace("(MaskSpec,", f"({fn},")
+        raise ValueError(f"{fn}: {message}") from None
 
 
 def _check_pair(fn: str, arg: str, value, cls):

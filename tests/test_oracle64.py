@@ -12,9 +12,11 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 import ringattn
+from tests._util import make_test_mesh
 
 SETTINGS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -247,3 +249,68 @@ def test_oracle_self_check_against_autodiff_free_finite_difference():
             minus[i].reshape(-1)[j] -= eps
             fd = (loss(*plus) - loss(*minus)) / (2 * eps)
             assert abs(fd - grad.reshape(-1)[j]) < 1e-5, (i, j, fd, grad.reshape(-1)[j])
+
+
+# ---- grouped queries at large logits, several key blocks ----
+
+# (N, K, block_q, block_kv, causal, ring): G * block_q != block_kv in most, the shapes where
+# the backward's logits k q^T rounded differently from the forward's q k^T; (2, 1, 4, 4) has
+# 32 query blocks (the forward stacks them in pairs), the ring cases run over 4 shards.
+LARGE_LOGIT_CASES = [
+    (2, 1, 32, 32, True, False),
+    (4, 1, 32, 32, False, False),
+    (4, 2, 8, 32, True, False),
+    (2, 1, 4, 4, True, False),
+    (2, 2, 32, 32, True, False),
+    (2, 1, 8, 8, True, True),
+    (4, 1, 8, 16, False, True),
+]
+
+
+def _well_separated(N, K, causal, T=128, H=16, scale=100.0):
+    """``q, k`` scaled by ``scale`` (logits of size ~1e4), ``v, g, h`` and positions, from the
+    first seed whose every row's runner-up probability is below 1e-9 (so the float32 logits'
+    rounding, a few ulps of 1e4, cannot move the float64 answer: any error is the kernels')."""
+    for seed in range(1000):
+        rng = np.random.default_rng(seed)
+        q = (rng.standard_normal((1, T, N, H)) * scale).astype(np.float32)
+        k = (rng.standard_normal((1, T, K, H)) * scale).astype(np.float32)
+        s = np.einsum("tnh,snh->nts", q[0].astype(np.float64), np.repeat(k[0], N // K, 1))
+        s = np.where(np.tril(np.ones((T, T), bool)) | (not causal), s / np.sqrt(H), -np.inf)
+        top2 = np.sort(s, axis=-1)[..., -2:]
+        if np.all((top2[..., 1] - top2[..., 0] > 25.0) | np.isneginf(top2[..., 0])):
+            v, g = rng.standard_normal((1, T, K, H)), rng.standard_normal((1, T, N, H))
+            h = rng.standard_normal((1, T, N))
+            pos = np.arange(T, dtype=np.int32)[None]
+            return q, k, v.astype(np.float32), g.astype(np.float32), h.astype(np.float32), pos
+    raise AssertionError("no well-separated seed")
+
+
+@pytest.mark.parametrize("N, K, bq, bk, causal, ring", LARGE_LOGIT_CASES)
+def test_grouped_queries_at_large_logits_against_float64_oracle(N, K, bq, bk, causal, ring):
+    """Forward and every gradient of blockwise and ring attention with query groups, logits
+    of size ~1e4 and several key blocks, against the float64 oracle. Was: ``dv`` off by 2e-2
+    (relative) for ``N=2, K=1``, blocks of 32, since the backward recomputed the logits as
+    ``k q^T``, which XLA:CPU rounds differently from the forward's ``q k^T``."""
+    q, k, v, g, h, pos = _well_separated(N, K, causal)
+    want = oracle64(
+        q, k, v, q_pos=pos, kv_pos=pos, q_seg=None, kv_seg=None, causal=causal,
+        windows=[None] * N, softcap=None, sinks=None, g=g, h=h,
+    )  # fmt: skip
+    blocks = ringattn.BlockSizes(block_q=bq, block_kv=bk)
+    if ring:
+        mesh = make_test_mesh((4,), ("seq",))
+        fn = functools.partial(ringattn.sharded_attention, mesh=mesh, seq_axis="seq")
+    else:
+        fn = ringattn.blockwise_attention
+    fn = functools.partial(fn, causal=causal, block_sizes=blocks)
+
+    def loss(q, k, v):
+        res = fn(q, k, v)
+        return jnp.sum(res.out * g) + jnp.sum(res.lse * h), res
+
+    (dq, dk, dv), res = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    got = (res.out, res.lse, dq, dk, dv)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want[:5], strict=True):
+        err = float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+        assert err <= 1e-5, f"{name}: max error {err:.3g} of its largest value"

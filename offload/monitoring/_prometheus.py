@@ -107,7 +107,7 @@ def _histogram_lines(fn: str, family: str, samples) -> list[str]:
     """Orders and checks one histogram's samples (per label set without ``le``)."""
     groups: dict[tuple, dict] = {}
     for name, labels, value in samples:
-        rest = tuple((n, v) for n, v in labels if n != "le")
+        rest = tuple(sorted((n, v) for n, v in labels if n != "le"))  # label order: one group
         group = groups.setdefault(rest, {"buckets": [], "sum": None, "count": None})
         if name == f"{family}_bucket":
             group["buckets"].append((_le(fn, family, labels), labels, value))
@@ -166,7 +166,10 @@ def to_prometheus(
     """Prints a flat metrics dict in the Prometheus text exposition format 0.0.4.
 
     Families are printed in the order their first sample appears; types and help texts come
-    from :data:`offload.monitoring.METRIC_FAMILIES` (other names are ``untyped``). Label values are
+    from :data:`offload.monitoring.METRIC_FAMILIES` (other names are ``untyped``). A series
+    is its name and its set of labels: two keys that write one series differently (labels in
+    another order, spaces) are rejected, not printed twice (Prometheus refuses such a page)
+    nor summed (a gauge or a histogram's ``_sum`` cannot be added up blindly). Label values are
     escaped (``\\`` ``"`` and newline); ints print exactly, floats with ``repr``, and NaN /
     infinities as ``NaN`` / ``+Inf`` / ``-Inf``.
 
@@ -181,7 +184,8 @@ def to_prometheus(
 
     Raises:
       ValueError: on a malformed key, a non-number value, a reserved (``__``) or repeated
-        label name, a constant label also present in a sample, or a histogram whose buckets
+        label name, a constant label also present in a sample, two keys naming the same
+        series (same name and labels, in any order or spacing), or a histogram whose buckets
         are not cumulative, lack ``+Inf``, or disagree with its ``_count``.
 
     Example:
@@ -204,8 +208,17 @@ def to_prometheus(
             raise ValueError(f"{fn}: labels: expected str values, got {name}={value!r}")
         extra.append((name, value))
     families: dict[str, tuple[str, str, list]] = {}
+    series: dict[tuple, str] = {}  # (name, sorted labels) -> the key that named it first
     for key, value in metrics.items():
         name, sample_labels = _parse_key(fn, key)
+        identity = (name, tuple(sorted(extra + sample_labels)))
+        if identity in series:
+            raise ValueError(
+                f"{fn}: metrics: expected one key per series, got {series[identity]!r} and "
+                f"{key!r}, the same series written differently (label order and spaces do not "
+                f"make another series): merge them into one key"
+            )
+        series[identity] = key
         if isinstance(value, (bool, np.bool_)) or not isinstance(
             value, (int, float, np.integer, np.floating)
         ):

@@ -101,7 +101,7 @@ def replay_hit_rate(
 
     Args:
       prompts: ``B`` prompts of token ids (lists, 1-D int arrays, or one ``[B, T]`` array).
-      page_size: ``C``, tokens per page (a power of two).
+      page_size: ``C``, tokens per page (an int >= 1).
 
     Returns:
       ``tokens_hit / tokens_admitted`` (0.0 when no tokens).
@@ -115,8 +115,6 @@ def replay_hit_rate(
     """
     fn = "replay_hit_rate"
     page_size = check_int(fn, "page_size", page_size, low=1)
-    if page_size & (page_size - 1):
-        raise ValueError(f"{fn}: page_size: expected a power of two, got {page_size}")
     return _replay(_check_prompts(fn, prompts), page_size)
 
 
@@ -172,7 +170,7 @@ def find_high_cardinality_spans(
     Args:
       prompts: ``B`` prompts of token ids (lists, 1-D int arrays of any lengths, or one
         ``[B, T]`` array), in arrival order.
-      page_size: ``C`` of the allocator the replay uses (a power of two); also the least
+      page_size: ``C`` of the allocator the replay uses (an int >= 1); also the least
         shared content after a span for it to count.
       ngram: window length that decides shared tokens, ``>= 1`` (longer: fewer chance
         matches between unrelated prompts).
@@ -197,8 +195,6 @@ def find_high_cardinality_spans(
     """
     fn = "find_high_cardinality_spans"
     page_size = check_int(fn, "page_size", page_size, low=1)
-    if page_size & (page_size - 1):
-        raise ValueError(f"{fn}: page_size: expected a power of two, got {page_size}")
     ngram = check_int(fn, "ngram", ngram, low=1)
     min_share = check_float(fn, "min_share", min_share, low=0.0, high=1.0, low_open=True)
     arrays = _check_prompts(fn, prompts)

@@ -325,6 +325,14 @@ def test_empty_batch_returns_empty_results():
     [
         ((1, 1, N, 0), (K, 4, C, 0), (1, 2), r"k_pages: expected non-empty dims .*H = 0"),
         ((1, 1, 0, H), (K, 4, C, H), (1, 2), "q: expected query heads N a positive multiple"),
+        # A [P, C, K, H] pool (vLLM's layout): its P is read as K; the pool is named.
+        (
+            (1, 1, N, H),
+            (5, C, K, H),
+            (1, 2),
+            r"k_pages: expected \[K, P, C, H\] .*K=5.*"
+            r"\[P, C, K, H\] needs \.transpose\(2, 0, 1, 3\)",
+        ),
         ((1, 1, N, H), (0, 4, C, H), (1, 2), r"k_pages: expected non-empty dims .*K = 0"),
         ((1, 1, N, H), (K, 0, C, H), (1, 2), r"k_pages: expected non-empty dims .*P = 0"),
         ((1, 1, N, H), (K, 4, 0, H), (1, 2), r"k_pages: expected non-empty dims .*C = 0"),

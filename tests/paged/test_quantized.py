@@ -227,6 +227,41 @@ def test_nan_or_inf_token_decodes_to_nan_and_validate_rejects_it(kind, poison):
         paged.validate(cache)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4", "kivi2"])
+@pytest.mark.parametrize("shape", [(2, 12, 8, 32), (4, 16, 16, 64)])
+def test_nan_in_a_large_pool_decodes_to_nan_and_validate_rejects_it(kind, shape):
+    """Past about 4,096 values XLA:CPU's max / min reductions drop NaN: the NaN must reach the
+    scale anyway (the whole token; int4 its group; kivi2 keys the channel over the page),
+    eager and jitted, and ``paged.validate`` must flag it in a cache written at that size."""
+    fmt = KVFormat(kind)  # int4: the default group 32
+    x = np.random.default_rng(0).standard_normal(shape, np.float32)
+    x[1, 5, 3, 7] = np.nan
+    for role in ("keys", "values") if kind == "kivi2" else (None,):
+        expected = np.zeros(shape, bool)
+        if role == "keys":
+            expected[1, 5, :, 7] = True
+        elif kind == "int4":
+            expected[1, 5, 3, :32] = True
+        else:
+            expected[1, 5, 3, :] = True
+        encode = functools.partial(quantize_pages, kv_format=fmt, role=role)
+        for f in (encode, jax.jit(encode)):
+            back = np.asarray(f(jnp.asarray(x)).dequantize())
+            np.testing.assert_array_equal(np.isnan(back), expected, err_msg=f"{kind} {role}")
+    # Written into a cache at that size (k: 2 * 48 * 8 * 32 values), validate catches it.
+    K, C, H, T = 8, 8, 32, 48
+    cache = init_paged_cache(1, K, 13, C, H, batch=2, max_pages_per_seq=6, kv_format=fmt)
+    table = np.random.default_rng(1).permutation(np.arange(1, 13)).reshape(2, 6)
+    cache = with_page_table(cache, jnp.asarray(table, jnp.int32))
+    k = np.random.default_rng(2).standard_normal((1, 2, T, K, H), np.float32)
+    clean = write(cache, jnp.asarray(k), jnp.asarray(k), 0)
+    paged.validate(clean)
+    k[0, 1, 20, 3, 7] = np.nan
+    cache = write(cache, jnp.asarray(k), jnp.asarray(k).at[0, 1, 20, 3, 7].set(0.0), 0)
+    with pytest.raises(ValueError, match=r"validate: k_pages: expected finite.*sequence 1"):
+        paged.validate(cache)
+
+
 # --- the cache ---------------------------------------------------------------------------
 
 

@@ -60,6 +60,31 @@ def test_mask_spec_rejects_wrong_kinds(kwargs, match):
         MaskSpec(**kwargs)
 
 
+@pytest.mark.no_typecheck
+@pytest.mark.parametrize(
+    ("kwargs", "arg", "name"),
+    [
+        (dict(causal=True), "causal", "causal"),
+        (dict(window=3), "window", "window"),
+        (dict(window=(None, 3)), r"window\[1\]", "window"),
+        (dict(softcap=3.0), "softcap", "softcap"),
+        (dict(scale=0.5), "scale", "scale"),
+    ],
+)
+def test_a_traced_option_says_it_is_traced_and_how_to_bind_it(kwargs, arg, name):
+    """``jax.jit(f)(q, k, v, causal=True)`` traces the option: the error says so and names
+    both ways to bind it (the README promises this message). Bound, the same call runs."""
+    q = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(
+        ValueError,
+        match=rf"blockwise_attention: {arg}: expected .* known before tracing .*got a traced "
+        rf"value .*functools\.partial\(blockwise_attention, {name}=\.\.\.\).*"
+        rf"jax\.jit\(blockwise_attention, static_argnames=\('{name}',\)\)",
+    ):
+        jax.jit(blockwise_attention)(q, q, q, **kwargs)
+    jax.jit(blockwise_attention, static_argnames=tuple(kwargs))(q, q, q, **kwargs)
+
+
 def test_resolve_mask_is_the_one_validator():
     assert resolve_mask("f") == MaskSpec()
     assert resolve_mask("f", default_causal=True) == MaskSpec(causal=True)

@@ -85,13 +85,18 @@ def test_quantize_hop_matches_its_definition(hop_format):
     np.testing.assert_allclose(flat_back[2], -3.25, rtol=1e-6)  # a constant token
 
 
-def test_quantize_hop_nan_and_inf_stay_in_their_row():
-    x = _rows_with_zero_and_constant((4, 8))
+@pytest.mark.parametrize("shape", [(4, 8), (192, 32), (512, 64)])
+def test_quantize_hop_nan_and_inf_stay_in_their_row(shape):
+    """A NaN / inf row gets a NaN scale and decodes to NaN whole, also past the ~4,096 values
+    where XLA:CPU's max reduction drops NaN; every other row stays finite."""
+    x = _rows_with_zero_and_constant(shape)
     x[0, 3], x[3, 5] = np.nan, np.inf
     for hop_format in HOP_FORMATS:
-        back = np.asarray(dequantize_hop(quantize_hop(jnp.asarray(x), hop_format=hop_format)))
-        assert np.all(~np.isfinite(back[0])) and np.all(~np.isfinite(back[3]))
-        assert np.all(np.isfinite(back[1:3]))
+        hop = quantize_hop(jnp.asarray(x), hop_format=hop_format)
+        back = np.asarray(dequantize_hop(hop))
+        assert np.isnan(np.asarray(hop.scale)[[0, 3]]).all(), hop_format
+        assert np.all(np.isnan(back[0])) and np.all(np.isnan(back[3])), hop_format
+        assert np.all(np.isfinite(back[1:3])) and np.all(np.isfinite(back[4:])), hop_format
 
 
 def test_quantize_hop_bfloat16_and_jit():
@@ -346,6 +351,31 @@ def test_nan_key_poisons_only_the_queries_that_see_it(hop_format):
     ref = attention_reference(q, kd, vd, causal=True).out
     assert_close(out[:, :p], ref[:, :p], dtype=jnp.float32, what="queries before the NaN")
     assert_close(out[:, :, 2:], ref[:, :, 2:], dtype=jnp.float32, what="the other kv head")
+
+
+@pytest.mark.parametrize("hop_format", HOP_FORMATS)
+def test_nan_key_in_large_shards_poisons_the_same_rows_as_the_exact_ring(hop_format):
+    """Shards of 2 * 128 * 2 * 32 key values, past the size where XLA:CPU's max reduction
+    drops NaN: the quantized ring turns exactly the rows NaN that the exact ring does."""
+    n, local, (N, K), Hd = 4, 128, (4, 2), 32
+    rng = np.random.default_rng(3)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal((2, n * local, heads, Hd), dtype=np.float32))
+        for heads in (N, K, K)
+    )
+    k = k.at[1, 100, 1, 7].set(jnp.nan)
+    mesh = make_test_mesh((n,), ("seq",))
+
+    def ring(fmt):
+        f = functools.partial(
+            sharded_attention, mesh=mesh, seq_axis="seq", causal=True, hop_format=fmt,
+            block_sizes=BlockSizes(block_q=64, block_kv=64),
+        )  # fmt: skip
+        return np.asarray(jax.jit(f)(q, k, v).out)
+
+    exact, quantized = np.isnan(ring(None)), np.isnan(ring(hop_format))
+    assert exact[1, 100:, 2:].all() and exact.sum() == (n * local - 100) * 2 * Hd
+    np.testing.assert_array_equal(quantized, exact)
 
 
 def test_masked_nan_key_has_no_effect():

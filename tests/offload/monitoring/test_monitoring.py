@@ -486,6 +486,29 @@ def test_prometheus_escapes_labels_and_help_and_formats_values():
     assert to_prometheus({}) == ""
 
 
+def test_prometheus_histogram_labels_in_any_order_are_one_series():
+    """Buckets, _sum and _count of one labelled histogram, their labels in different orders,
+    print as one series group (each sample once, buckets in le order, then _sum, _count)."""
+    name = "longctx_allocator_out_of_pages_request_tokens"
+    metrics = {
+        f'{name}_bucket{{le="+Inf",a="1",b="2"}}': 3,
+        f'{name}_sum{{b="2",a="1"}}': 7.5,
+        f'{name}_bucket{{b="2", le="4.0", a="1"}}': 1,
+        f'{name}_count{{ a="1",b="2" }}': 3,
+    }
+    page = to_prometheus(metrics)
+    samples = parse_prometheus(page)[name]["samples"]
+    assert [(s[0].rsplit("_", 1)[1], s[1].get("le"), s[2]) for s in samples] == [
+        ("bucket", "4.0", 1.0),
+        ("bucket", "+Inf", 3.0),
+        ("sum", None, 7.5),
+        ("count", None, 3.0),
+    ]
+    assert all(
+        {k: v for k, v in s[1].items() if k != "le"} == {"a": "1", "b": "2"} for s in samples
+    )
+
+
 def _hist(buckets, total, total_sum=1.0):
     name = "longctx_allocator_out_of_pages_request_tokens"
     out = {f'{name}_bucket{{le="{le}"}}': c for le, c in buckets}
@@ -518,6 +541,16 @@ def _hist(buckets, total, total_sum=1.0):
         (_hist([("1.0", 1), ("+Inf", 2)], 3), None, "_count == the"),
         (_hist([("+Inf", 2)], None), None, "expected _sum and _count"),
         (_hist([("x", 2), ("+Inf", 2)], 2), None, "number or \\+Inf as le"),
+        # One series written twice: label order, spaces, a constant label, a histogram part.
+        ({'x{a="1",b="2"}': 1, 'x{b="2",a="1"}': 2}, None, "one key per series"),
+        ({'x{a="1"}': 1, 'x{ a = "1" }': 2}, None, "one key per series"),
+        ({'x{a="1",b="2"}': 1, 'x{b="2",a="1"}': 2}, {"c": "3"}, "one key per series"),
+        ({"x": 1, "x{}": 2}, None, "one key per series"),
+        (
+            {**_hist([("+Inf", 1)], 1), "longctx_allocator_out_of_pages_request_tokens_sum{}": 2},
+            None,
+            "one key per series",
+        ),
     ],
 )
 def test_prometheus_errors(metrics, labels, match):
@@ -688,6 +721,7 @@ def test_hygiene_degenerate_inputs():
     short = find_high_cardinality_spans([[1, 2], [1, 2], [3]], ngram=4)  # shorter than ngram
     assert short.spans == ()
     assert replay_hit_rate([[1, 2, 3, 4, 5]] * 2, page_size=2) == 4 / 10
+    assert replay_hit_rate([[1, 2, 3, 4, 5, 6, 7]] * 2, page_size=3) == 6 / 14  # any C >= 1
 
 
 @pytest.mark.no_typecheck
@@ -700,7 +734,6 @@ def test_hygiene_degenerate_inputs():
         (["abc"], {}, r"prompts\[0\]: expected token ids"),
         ("abc", {}, "prompts: expected a sequence"),
         (5, {}, "prompts: expected a sequence"),
-        ([[1]], {"page_size": 3}, "page_size: expected a power of two"),
         ([[1]], {"page_size": 0}, "page_size: expected an int"),
         ([[1]], {"ngram": 0}, "ngram: expected an int"),
         ([[1]], {"min_share": 0.0}, "min_share: expected a float"),
