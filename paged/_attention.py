@@ -140,7 +140,7 @@ def default_q_positions(fn: str, q_positions, lengths, B: int, T: int):
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, *, opts):
+def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, heads=None, *, opts):
     """``out [B, T, N, H]`` float32, ``lse [B, T, N]`` and (``opts.want_page_lse``) the page
     mass of each query row ``[B, T, N, M]`` (relative to the row's own ``lse``), no sinks."""
     M = page_table.shape[1]
@@ -151,7 +151,9 @@ def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, *, opt
     def one(args):
         q_b, pos_b, valid_b, row_b, len_b, b = args
         k_b, v_b = sequence_view(k_pages, b), sequence_view(v_pages, b)
-        out, lse, mass = attend_sequence(q_b, pos_b, valid_b, row_b, len_b, k_b, v_b, opts=opts)
+        out, lse, mass = attend_sequence(
+            q_b, pos_b, valid_b, row_b, len_b, k_b, v_b, opts=opts, heads=heads
+        )
         mass = mass[:, :, :M].transpose(1, 0, 2) if mass is not None else None  # [T, N, M]
         return out, lse, mass
 
@@ -183,9 +185,11 @@ def finish(out, lse, mass_rows, sinks, dtype) -> PagedAttentionOutput:
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, q_positions, sinks, *, opts):
+def _paged_attention_impl(
+    q, k_pages, v_pages, page_table, lengths, q_positions, sinks, heads=None, *, opts
+):
     out, lse, mass_rows = attention_rows(
-        q, k_pages, v_pages, page_table, lengths, q_positions, opts=opts
+        q, k_pages, v_pages, page_table, lengths, q_positions, heads, opts=opts
     )
     return finish(out, lse, mass_rows, sinks, q.dtype)
 
@@ -194,6 +198,44 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, q_positions,
 def _paged_attention_pallas(q, k_pages, v_pages, page_table, lengths, q_positions, sinks, *, cfg):
     out, lse = pallas_decode(q, k_pages, v_pages, page_table, lengths, q_positions, cfg=cfg)
     return finish(out, lse, None, sinks, q.dtype)
+
+
+def layer_pools(fn: str, k_pages, v_pages, layer):
+    """``(k, v, heads)`` for reading layer ``layer`` of stacked pools ``[L, K, P, C, H]``
+    without copying it: the stacks with layers and heads merged (``[L * K, P, C, H]``, a free
+    reshape) and ``heads [K]``, the rows of that layer. A kivi2 pool (its residual window is per
+    layer and row) is sliced instead. ``layer``: an int in ``[0, L)`` or a traced integer
+    scalar (clamped into range)."""
+    for name, pool in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if getattr(pool, "ndim", None) != 5:
+            raise ValueError(
+                f"{fn}: {name}: expected the stacked [L, K, P, C, H] pools of a PagedKVCache "
+                f"with layer= (a per-layer [K, P, C, H] pool takes no layer), got {describe(pool)}"
+            )
+    L = k_pages.shape[0]
+    if isinstance(layer, (bool, np.bool_)) or not (
+        isinstance(layer, (int, np.integer))
+        or (
+            hasattr(layer, "dtype")
+            and jnp.issubdtype(layer.dtype, jnp.integer)
+            and jnp.ndim(layer) == 0
+        )
+    ):
+        raise ValueError(f"{fn}: layer: expected an int or an integer scalar array, got {layer!r}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < L:
+        raise ValueError(f"{fn}: layer: expected 0 <= layer < {L} (the pools' L), got {layer}")
+    if getattr(k_pages, "residual", None) is not None:
+        return k_pages[layer], v_pages[layer], None
+    K = k_pages.shape[1]
+    heads = jnp.clip(jnp.asarray(layer, jnp.int32), 0, L - 1) * K + jnp.arange(K, dtype=jnp.int32)
+
+    def merged(pool):
+        if is_quantized(pool):
+            flat = lambda a: None if a is None else a.reshape(L * K, *a.shape[2:])
+            return dataclasses.replace(pool, data=flat(pool.data), scale=flat(pool.scale), zero=flat(pool.zero))  # fmt: skip
+        return pool.reshape(L * K, *pool.shape[2:])
+
+    return merged(k_pages), merged(v_pages), heads
 
 
 def pallas_variant(fn: str, impl, backend: str, k_pages, return_page_mass) -> tuple[str, bool]:
@@ -216,8 +258,8 @@ def pallas_variant(fn: str, impl, backend: str, k_pages, return_page_mass) -> tu
 
 def paged_attention(
     q: Float[Array, "B T N H"],
-    k_pages: Float[Array, "K P C H"] | QuantizedPages,
-    v_pages: Float[Array, "K P C H"] | QuantizedPages,
+    k_pages: Float[Array, "K P C H"] | Float[Array, "L K P C H"] | QuantizedPages,
+    v_pages: Float[Array, "K P C H"] | Float[Array, "L K P C H"] | QuantizedPages,
     page_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     *,
@@ -231,6 +273,7 @@ def paged_attention(
     pages_per_block: IntScalar = DEFAULT_PAGES_PER_BLOCK,
     return_page_mass: bool | np.bool_ = False,
     impl: str = "auto",
+    layer: IntScalar | Int[Array, ""] | None = None,
 ) -> PagedAttentionOutput:
     """Decode attention of a few query tokens per sequence over a paged KV pool.
 
@@ -266,6 +309,12 @@ def paged_attention(
         :func:`ringattn.blockwise_attention`), ``"xla"``, or ``"pallas"``: a Pallas decode
         kernel (:mod:`paged._pallas_decode`; Triton on GPU, Mosaic on TPU, interpret mode on
         CPU) with the same semantics, its ``pages_per_block`` pages per grid block.
+      layer: read layer ``layer`` of stacked pools ``[L, K, P, C, H]`` (a
+        ``PagedKVCache``'s ``k_pages`` / ``v_pages`` as they are): an int in ``[0, L)`` or a
+        traced integer scalar (clamped into range). The walk gathers its pages straight from
+        the stack, where slicing ``cache.k_pages[layer]`` first makes XLA copy that layer's
+        whole pool on every call (a decode step then grows with the pool, not with the
+        sequence). A kivi2 stack is sliced (its residual window is per layer).
 
     Returns:
       :class:`PagedAttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N] float32,
@@ -290,7 +339,11 @@ def paged_attention(
     fn = "paged_attention"
     check_array(fn, "q", q, 4, jnp.floating)
     B, T, N, _ = q.shape
+    stacked, heads = (k_pages, v_pages), None
+    if layer is not None:
+        k_pages, v_pages, heads = layer_pools(fn, k_pages, v_pages, layer)
     K, P, C, H = check_pages(fn, k_pages, v_pages)
+    K = K if heads is None else heads.shape[0]
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     check_table(fn, page_table, lengths, B)
     check_residual_rows(fn, k_pages, v_pages, B)
@@ -306,16 +359,31 @@ def paged_attention(
     variant, interpret = pallas_variant(
         fn, impl, jax.default_backend(), k_pages, bool(return_page_mass)
     )
-    args = (q, k_pages, v_pages, jnp.asarray(page_table), jnp.asarray(lengths), q_positions, sinks)
+    table, lengths = jnp.asarray(page_table), jnp.asarray(lengths)
     if variant != "xla":
         cfg = decode_config(fn, opts, C, H, variant, interpret)
+        if heads is not None:  # the Pallas kernels take one layer's pools
+            k_pages, v_pages = (pool[layer] for pool in stacked)
+        args = (q, k_pages, v_pages, table, lengths, q_positions, sinks)
         return _paged_attention_pallas(*args, cfg=cfg)
+    args = (q, k_pages, v_pages, table, lengths, q_positions, sinks, heads)
     return _paged_attention_impl(*args, opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "queries_per_block"))
 def _ragged_impl(
-    q, k_pages, v_pages, page_table, lengths, cu_q_lens, num_seqs, sinks, *, opts, queries_per_block
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    lengths,
+    cu_q_lens,
+    num_seqs,
+    sinks,
+    heads=None,
+    *,
+    opts,
+    queries_per_block,
 ):
     total, N, H = q.shape
     B = page_table.shape[0]
@@ -348,7 +416,9 @@ def _ragged_impl(
             valid = (local < q_len) & (first >= 0) & (first + rows < total)
             q_blk = lax.dynamic_slice(q_pad, (first, 0, 0), (TQ, N, H))
             pos = length - q_len + local
-            o, s, m = attend_sequence(q_blk, pos, valid, row, length, k_view, v_view, opts=opts)
+            o, s, m = attend_sequence(
+                q_blk, pos, valid, row, length, k_view, v_view, opts=opts, heads=heads
+            )
             old_o = lax.dynamic_slice(out, (first, 0, 0), (TQ, N, H))
             old_s = lax.dynamic_slice(lse, (first, 0), (TQ, N))
             out = lax.dynamic_update_slice(
@@ -377,8 +447,8 @@ def _ragged_impl(
 
 def ragged_paged_attention(
     q: Float[Array, "Q N H"],
-    k_pages: Float[Array, "K P C H"] | QuantizedPages,
-    v_pages: Float[Array, "K P C H"] | QuantizedPages,
+    k_pages: Float[Array, "K P C H"] | Float[Array, "L K P C H"] | QuantizedPages,
+    v_pages: Float[Array, "K P C H"] | Float[Array, "L K P C H"] | QuantizedPages,
     page_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     cu_q_lens: Int[Array | np.ndarray, " B+1"],
@@ -393,6 +463,7 @@ def ragged_paged_attention(
     pages_per_block: IntScalar = DEFAULT_PAGES_PER_BLOCK,
     queries_per_block: IntScalar = 16,
     return_page_mass: bool | np.bool_ = False,
+    layer: IntScalar | Int[Array, ""] | None = None,
 ) -> PagedAttentionOutput:
     """Attention for a flat batch that mixes prefill chunks and decode tokens.
 
@@ -424,6 +495,12 @@ def ragged_paged_attention(
       queries_per_block: query rows per step (clamped to ``Q``).
       return_page_mass: also compute ``page_mass [B, N, M]``, the probability each
         page-table slot received, summed over each sequence's query rows.
+      layer: read layer ``layer`` of stacked pools ``[L, K, P, C, H]`` (a
+        ``PagedKVCache``'s ``k_pages`` / ``v_pages`` as they are): an int in ``[0, L)`` or a
+        traced integer scalar (clamped into range). The walk gathers its pages straight from
+        the stack, where slicing ``cache.k_pages[layer]`` first makes XLA copy that layer's
+        whole pool on every call (a decode step then grows with the pool, not with the
+        sequence). A kivi2 stack is sliced (its residual window is per layer).
 
     Returns:
       :class:`PagedAttentionOutput` ``(out [Q, N, H] in q.dtype, lse [Q, N] float32,
@@ -444,7 +521,11 @@ def ragged_paged_attention(
     fn = "ragged_paged_attention"
     check_array(fn, "q", q, 3, jnp.floating)
     total, N, _ = q.shape
+    heads = None
+    if layer is not None:
+        k_pages, v_pages, heads = layer_pools(fn, k_pages, v_pages, layer)
     K, P, C, H = check_pages(fn, k_pages, v_pages)
+    K = K if heads is None else heads.shape[0]
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     B, _ = check_table(fn, page_table, lengths, None)
     check_residual_rows(fn, k_pages, v_pages, B)
@@ -478,6 +559,7 @@ def ragged_paged_attention(
         jnp.asarray(cu_q_lens),
         num_seqs.reshape(()),
         sinks,
+        heads,
         opts=opts,
         queries_per_block=min(queries_per_block, total),
     )

@@ -99,17 +99,26 @@ def pad_table(page_table, pages_per_block: int):
     return page_table
 
 
-def take_block(pool, ids, span: int):
+def take_block(pool, ids, span: int, heads=None):
     """Pages ``ids [n]`` of a ``[K, P, C, H]`` pool as ``[K, n * C, H]`` (decoded to float32
-    if quantized; ids already clamped into range)."""
-    K, _, _, H = pool.shape
+    if quantized; ids already clamped into range). With ``heads [K]``, the pool is a stack of
+    layers' heads ``[L * K, P, C, H]`` and rows ``heads`` are read: one gather from the
+    stack, never a copy of a layer's whole pool."""
+    H = pool.shape[-1]
+    if heads is None:
+        K = pool.shape[0]
+        pick = lambda x: jnp.take(x, ids, axis=1, mode="clip")
+    else:
+        K = heads.shape[0]
+        pick = lambda x: x.at[heads[:, None], ids[None, :]].get(mode="clip")
     if is_quantized(pool):
-        part = jax.tree.map(lambda x: jnp.take(x, ids, axis=1, mode="clip"), pool[:, :])
+        part = jax.tree.map(pick, pool[:, :])
         return decode_pages(part).reshape(K, span, H)  # [K, n, C, H] decoded
-    return jnp.take(pool, ids, axis=1, mode="clip").reshape(K, span, H)
+    return pick(pool).reshape(K, span, H)
 
 
-def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages, *, opts):
+def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages, *, opts,
+                    heads=None):  # fmt: skip
     """Attention of ``R`` query rows of one sequence over its pages.
 
     Args:
@@ -118,14 +127,17 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
       q_valid: ``[R]`` bool; invalid rows see nothing.
       table_row: ``[M']`` int32 page ids, ``M'`` a multiple of ``pages_per_block``.
       length: scalar int32, number of valid tokens of the sequence.
-      k_pages, v_pages: ``[K, P, C, H]`` pools (float arrays or ``QuantizedPages``).
+      k_pages, v_pages: ``[K, P, C, H]`` pools (float arrays or ``QuantizedPages``), or with
+        ``heads``, stacks ``[L * K, P, C, H]`` of every layer's heads.
       opts: :class:`KernelOptions`.
+      heads: ``[K]`` int32 rows of the stacks to read (one layer's heads), or None.
 
     Returns:
       ``out [R, N, H]`` float32, ``lse [R, N]`` float32, and ``page_mass [N, R, M']`` (the
       probability each page received per query row) or None.
     """
-    K, P, C, H = k_pages.shape
+    _, P, C, H = k_pages.shape
+    K = k_pages.shape[0] if heads is None else heads.shape[0]
     R, N, _ = q_rows.shape
     residual_k = getattr(k_pages, "residual", None)
     residual_v = getattr(v_pages, "residual", None)
@@ -167,8 +179,8 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
         ids = lax.dynamic_slice(table_row, (j * ppb,), (ppb,))
         page_ok = (ids > 0) & (ids < P)  # the null page and out-of-range ids are masked
         ids = jnp.where(page_ok, ids, 0)
-        kb = take_block(k_pages, ids, span)
-        vb = take_block(v_pages, ids, span)
+        kb = take_block(k_pages, ids, span, heads)
+        vb = take_block(v_pages, ids, span, heads)
         kv_pos = j * span + jnp.arange(span, dtype=jnp.int32)
         if residual_k is not None:  # kivi2: window pages are read from the residual
             kb = _kivi.substitute_residual(kb, residual_k, kv_pos, k_pages.residual_len, C)
