@@ -465,6 +465,7 @@ def ring_attention_per_shard(
         ``[B, S]``; the key ids travel with the keys.
       positions: :class:`ringattn.Positions` of the local queries and keys (global
         positions); default ``shard_positions(layout, axis_index, n, T)`` per batch row.
+        With ``T != S`` under a causal or window mask ``positions.q`` is required.
       sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the per-hop kernel; with ``"zigzag"`` they
         are clamped to half the local length so causal chunk pairs can be skipped.

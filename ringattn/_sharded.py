@@ -224,7 +224,8 @@ def sharded_attention(
       scale: logit scale, default ``1 / sqrt(H)``.
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` in layout order.
       positions: :class:`ringattn.Positions` (global positions in layout order); default:
-        the positions the layout puts there (``to_layout(arange(T))``). Strategies
+        the positions the layout puts there (``to_layout(arange(T))``); with ``T != S``
+        under a causal or window mask ``positions.q`` is required. Strategies
         ``"ring"`` and ``"usp"`` with ``causal`` and / or a ``window`` stop the ring after
         the last hop that can bring a visible key, read off each row's per-shard position
         ranges (any layout; default or concrete positions). Traced positions (under an outer
@@ -251,7 +252,8 @@ def sharded_attention(
         twice; a ``seq_axis`` of the wrong form; inconsistent q/k/v shapes or dtypes; ``T`` or
         ``S`` not divisible by the number of sequence shards (by twice the layout shards for
         ``"zigzag"``); batch or heads not divisible by their axis sizes; query heads not
-        divisible by the Ulysses degree; bad segment ids, positions, window, softcap, scale,
+        divisible by the Ulysses degree; ``T != S`` under a causal or window mask without
+        ``positions.q``; bad segment ids, positions, window, softcap, scale,
         block sizes or ``hop_format``; an unknown ``impl``.
       NotImplementedError: a ``hop_format`` with strategy ``"allgather"`` or ``"ulysses"``
         (no ring hops to quantize) or with ``impl="pallas"``; ``impl="pallas"`` on a TPU or
