@@ -250,3 +250,19 @@ def start_run(
 def ms(seconds: float | None, digits: int = 1) -> str:
     """``12.3 ms``, or ``-`` for a method that was not run."""
     return "-" if seconds is None else f"{seconds * 1e3:.{digits}f} ms"
+
+
+def layout_positions(layout: str, batch: int, length: int, num_shards: int) -> Any:
+    """``ringattn.Positions(q, kv)`` of ``[batch, length]`` global positions in ``layout``
+    order, concrete even under ``jit`` (computed at trace time), so the ring still reads its
+    live hops off them. ``ringattn.sharded_attention`` needs them for a permuted layout under
+    a causal or window mask: inputs go through ``to_layout``, and so do their positions."""
+    import jax
+    import numpy as np
+
+    import ringattn
+
+    natural = np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length))
+    with jax.ensure_compile_time_eval():
+        pos = ringattn.to_layout(natural, layout, num_shards=num_shards)
+    return ringattn.Positions(pos, pos)

@@ -57,10 +57,16 @@ def make_fns(strategy, layout, causal, K):
     # "usp": the sequence is split over (ring axis, ulysses axis), ring major
     spec = P(None, (names[1], names[0]) if strategy == "usp" else seq_axis)
 
+    shards = mesh.shape[names[1]] if strategy == "usp" else mesh.shape[seq_axis]
+
     def fwd(q, k, v):
+        positions = None  # a permuted layout under a causal mask takes its positions
+        if causal and layout != "contiguous":
+            positions = _common.layout_positions(layout, q.shape[0], q.shape[1], shards)
         return sharded_attention(
-            q, k, v, mesh=mesh, seq_axis=seq_axis, strategy=strategy, layout=layout, causal=causal
-        ).out
+            q, k, v, mesh=mesh, seq_axis=seq_axis, strategy=strategy, layout=layout, causal=causal,
+            positions=positions,
+        ).out  # fmt: skip
 
     def fwd_bwd(q, k, v):
         out, vjp = jax.vjp(fwd, q, k, v)

@@ -55,6 +55,7 @@ def make_fns(mesh, hop_format, block_sizes=None):
             seq_axis="seq",
             layout=LAYOUT,
             causal=True,
+            positions=_common.layout_positions(LAYOUT, q.shape[0], q.shape[1], DEVICES),
             block_sizes=block_sizes,
             hop_format=hop_format,
         ).out

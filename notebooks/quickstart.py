@@ -155,6 +155,10 @@ q_long = jax.random.normal(kq, (1, S_LONG, N, H))
 k_long = with_heavy_hitters(jax.random.normal(kk, (1, S_LONG, K, H)))
 v_long = jax.random.normal(kv, (1, S_LONG, K, H))
 
+zig = partial(ringattn.to_layout, layout="zigzag", num_shards=8)
+# The positions are permuted with the data: they say where each token truly is (a permuted
+# layout under a causal mask needs them; with them any token order gives the right answer).
+pos_zig = zig(jnp.arange(S_LONG, dtype=jnp.int32)[None])
 ring = jax.jit(
     partial(
         ringattn.sharded_attention,
@@ -163,9 +167,9 @@ ring = jax.jit(
         strategy="ring",
         layout="zigzag",
         causal=True,
+        positions=ringattn.Positions(pos_zig, pos_zig),
     )
 )
-zig = partial(ringattn.to_layout, layout="zigzag", num_shards=8)
 out_zig = ring(zig(q_long), zig(k_long), zig(v_long)).out
 out_ring = ringattn.from_layout(out_zig, "zigzag", num_shards=8)
 single = jax.jit(partial(ringattn.blockwise_attention, causal=True))(q_long, k_long, v_long).out

@@ -89,8 +89,10 @@ print("devices:", len(jax.devices()), jax.devices()[0].platform, "| jax", jax.__
 #
 # The inputs are global arrays; `to_layout` permutes the sequence once at the data boundary so
 # that the 8 equal contiguous shards hold the layout's tokens, and `from_layout` undoes it on
-# the output. USP needs a 2-D mesh: Ulysses over the first axis (2 devices), the ring over the
-# second (4 devices). Ulysses turns sequence sharding into head sharding, so the 8 query heads
+# the output. The positions are permuted with the data and passed along: under a causal mask
+# a permuted layout requires them (the order of the tokens is not visible in their values).
+# USP needs a 2-D mesh: Ulysses over the first axis (2 devices), the ring over the second (4
+# devices). Ulysses turns sequence sharding into head sharding, so the 8 query heads
 # must divide over its devices (the 2 kv heads are repeated to 8 there).
 
 # %%
@@ -115,6 +117,8 @@ CASES = [  # (strategy, layout, mesh, seq_axis, shards of the layout)
 ]
 errors = {}
 for strategy, layout, mesh, seq_axis, shards in tqdm(CASES, desc="strategies"):
+    permute = partial(ringattn.to_layout, layout=layout, num_shards=shards)
+    pos = permute(jnp.arange(S, dtype=jnp.int32)[None])  # the positions travel with the data
     attend = jax.jit(
         partial(
             ringattn.sharded_attention,
@@ -123,9 +127,9 @@ for strategy, layout, mesh, seq_axis, shards in tqdm(CASES, desc="strategies"):
             strategy=strategy,
             layout=layout,
             causal=True,
+            positions=ringattn.Positions(pos, pos),
         )
     )
-    permute = partial(ringattn.to_layout, layout=layout, num_shards=shards)
     out_sharded = attend(permute(q), permute(k), permute(v)).out  # sharded over the mesh
     # Undo the layout on one device (from_layout's reshape of a striped output that is
     # sharded over Explicit axes needs an out_sharding; on host memory it needs none).

@@ -16,8 +16,10 @@ retention policy's approximation, and the attention mass it keeps is reported:
 * from a page-mass observation otherwise (:func:`mass_kept_from_page_mass`).
 """
 
+import functools
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
@@ -102,6 +104,19 @@ def _kind(pool) -> str:
     if isinstance(pool, QuantizedPages):
         return f"quantized {pool.format.kind!r}"
     return str(pool.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "return_page_mass"))
+def _tier_attention(
+    q, k_pages, v_pages, table, lengths, q_positions, sinks, *, spec, return_page_mass
+):
+    """One tier's part. Its table is traced here, so a slot absent from this tier (the null
+    page inside a length, by design) is masked: ``paged.paged_attention``'s jit behaviour (an
+    eager call of it raises on such a slot, which in a single-tier table is a missing page)."""
+    return paged_attention(
+        q, k_pages, v_pages, table, lengths, q_positions=q_positions, mask=spec, sinks=sinks,
+        return_page_mass=return_page_mass,
+    )  # fmt: skip
 
 
 def mixed_residency_attention(
@@ -277,17 +292,10 @@ def mixed_residency_attention(
     return_page_mass = bool(return_page_mass)
 
     def part(kp, vp, table, part_sinks):
-        return paged_attention(
-            q,
-            kp,
-            vp,
-            table,
-            lengths,
-            q_positions=q_positions,
-            mask=spec,
-            sinks=part_sinks,
-            return_page_mass=return_page_mass,
-        )
+        return _tier_attention(
+            q, kp, vp, table, lengths, q_positions, part_sinks,
+            spec=spec, return_page_mass=return_page_mass,
+        )  # fmt: skip
 
     if cold_table is None:  # the device part is the whole attention: paged applies the sink
         dev = part(k_pages, v_pages, device_table, sinks)

@@ -28,7 +28,11 @@ Device side: :func:`paged_attention`, :func:`ragged_paged_attention` and
 :func:`sharded_paged_attention` return :class:`PagedAttentionOutput` ``(out, lse, page_mass)``;
 their oracles are :func:`paged_attention_reference` and :func:`ragged_paged_attention_reference`.
 Keys no query may see (past ``lengths``, on the null page or a bad id, causal future, outside
-the window) have no effect on any output, even if they hold NaN or inf.
+the window) have no effect on any output, even if they hold NaN or inf. Eager calls (concrete
+``page_table`` / ``lengths``) raise ``ValueError`` on what would change an answer in silence:
+a length past ``M * C``, a slot inside a length without a real page, a write whose token has
+no page (``append`` before a page was reserved); under ``jit`` such tokens are masked or
+dropped, and :func:`validate` reports them.
 ``paged_attention(impl="pallas")`` runs a Pallas decode kernel with the same semantics
 (Triton on GPU, Mosaic on TPU, interpret mode on CPU); ``impl="auto"`` is the XLA page walk
 for now.

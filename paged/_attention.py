@@ -13,7 +13,11 @@ validated by :func:`ringattn.resolve_mask`; here ``causal`` defaults to True. ``
 be a tuple with one window per query head. ``sinks`` (a per-query-head logit) joins the
 softmax once, after all pages, through :func:`ringattn.apply_sinks`.
 
-Safety by construction (nothing value-dependent can raise under ``jit``):
+Eager calls (concrete ``page_table`` and ``lengths``, not traced) check their values and
+raise ``ValueError``: a length outside ``[0, M * C]``, or a slot holding one of a sequence's
+tokens that is not a real page (the null page 0, a negative id or one ``>= P``). Slots past a
+length are never read and may hold anything. Under ``jit`` nothing value-dependent can raise,
+so the functions are safe by construction instead:
 
 * a token is visible only if its position is ``< lengths[b]`` *and* its page id is a real page
   (``0 < id < P``); the null page and out-of-range ids (negative, ``>= P``) are masked, and the
@@ -30,7 +34,8 @@ garbage.
 :mod:`paged._pallas_decode` instead of the XLA page walk (same semantics and safety; no
 quantized pools or page mass); ``impl="auto"`` is the XLA walk on every backend for now.
 
-Use :func:`paged.validate_page_table` eagerly (tests, notebooks) to catch such tables loudly.
+:func:`paged.validate_page_table` checks a table eagerly and more strictly (every id in range,
+no page twice in one sequence).
 
 Jit with options bound: ``jax.jit(functools.partial(paged_attention, window=128))``. The loops
 have dynamic trip counts, so these functions are forward-only (inference): reverse-mode
@@ -55,6 +60,7 @@ from paged._checks import (
     check_pages,
     check_residual_rows,
     check_table,
+    check_table_values,
     describe,
     int_option,
     pool_dtype,
@@ -323,7 +329,8 @@ def paged_attention(
 
     Raises:
       ValueError: on inconsistent ranks, shapes, dtypes or options (``paged_attention: <arg>:
-        expected ..., got ...``), or an unknown ``impl``.
+        expected ..., got ...``), or an unknown ``impl``; on an eager call, a length past
+        ``M * C`` or a slot inside a length without a real page (see the module docs).
       NotImplementedError: ``impl="pallas"`` with a :class:`paged.QuantizedPages` pool,
         ``return_page_mass=True``, or (compiled on GPU) a page size or head dim that is not a
         power of two >= 16.
@@ -346,6 +353,7 @@ def paged_attention(
     K = K if heads is None else heads.shape[0]
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     check_table(fn, page_table, lengths, B)
+    check_table_values(fn, page_table, lengths, num_pages=P, page_size=C)
     check_residual_rows(fn, k_pages, v_pages, B)
     if T < 1:
         raise ValueError(f"{fn}: q: expected at least one query token (T >= 1), got {describe(q)}")
@@ -507,7 +515,8 @@ def ragged_paged_attention(
       page_mass [B, N, M] or None)``.
 
     Raises:
-      ValueError: on inconsistent ranks, shapes, dtypes or options.
+      ValueError: on inconsistent ranks, shapes, dtypes or options; on an eager call, a
+        length past ``M * C`` or a slot inside a length without a real page.
 
     Example:
       >>> import jax.numpy as jnp
@@ -528,6 +537,7 @@ def ragged_paged_attention(
     K = K if heads is None else heads.shape[0]
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     B, _ = check_table(fn, page_table, lengths, None)
+    check_table_values(fn, page_table, lengths, num_pages=P, page_size=C)
     check_residual_rows(fn, k_pages, v_pages, B)
     if total < 1:
         raise ValueError(f"{fn}: q: expected at least one token row (Q >= 1), got {describe(q)}")

@@ -12,12 +12,15 @@ all layers at once (one decode token; a prefill chunk).
 The host allocator's page table and lengths enter the cache through :func:`with_page_table`
 (never ``cache._replace``); its copy plans through :func:`paged.copy_pages`.
 
-Writes are scatters with ``mode="drop"``: a token whose slot is past the table, at a negative
-position, or whose page is the null page 0 or an out-of-range id is silently dropped, never
-written into page 0 or another page. Which pages a sequence owns is the host allocator's
+Writes are scatters with ``mode="drop"``: under ``jit`` a token whose slot is past the table,
+at a negative position, or whose page is the null page 0 or an out-of-range id is dropped,
+never written into page 0 or another page (and :func:`append` still counts it in
+``lengths``: :func:`paged.validate` then says so). An eager call (concrete arguments, see
+``paged._checks.concrete_values``) raises ``ValueError`` on such a token instead, naming the
+sequence and slot, and so does every function here on lengths past capacity or on a slot
+inside a length without a real page. Which pages a sequence owns is the host allocator's
 business (:mod:`paged`'s ``PageAllocator``) or the on-device free stack's
-(:func:`paged.ensure_next_page`); this module only moves data. :func:`paged.validate` checks a
-cache eagerly and loudly.
+(:func:`paged.ensure_next_page`); this module only moves data.
 
 With a :class:`paged.KVFormat` (``init_paged_cache(..., kv_format=KVFormat("int8"))``) the
 pools are :class:`paged.QuantizedPages` (``data [L, K, P, C, H]`` int8 / float8_e4m3fn plus
@@ -39,7 +42,16 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from paged import _kivi
-from paged._checks import check_array, describe, int_option, is_int, layer_index
+from paged._checks import (
+    check_array,
+    check_table_values,
+    check_write_values,
+    concrete_values,
+    describe,
+    int_option,
+    is_int,
+    layer_index,
+)
 from paged._quantized import KVFormat, QuantizedPages, is_quantized, set_tokens, take_decoded
 
 __all__ = [
@@ -270,10 +282,13 @@ def write_layer(
         padded chunks: its pages are stored once full, and padding would fill them.
 
     Returns:
-      The updated cache. Tokens without a real page are dropped (see module docs).
+      The updated cache. Under ``jit``, tokens without a real page are dropped (see module
+      docs).
 
     Raises:
-      ValueError: on shapes that do not match the cache, or a bad ``layer`` or ``count``.
+      ValueError: on shapes that do not match the cache, or a bad ``layer`` or ``count``;
+        on an eager call, a token written without a real page (negative position, past the
+        capacity ``M * C``, a null or out-of-range page id).
 
     Example:
       >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
@@ -288,7 +303,36 @@ def write_layer(
     B, T = k.shape[:2]
     start = _start_positions(fn, start, B)
     count = _count(fn, count, B, T)
+    _check_targets(fn, cache, start, count)
     return _write_layer_impl(cache, jnp.asarray(layer, jnp.int32), k, v, start, count)
+
+
+def _check_targets(fn: str, cache: PagedKVCache, start, count, start_name: str = "start"):
+    """Eager calls: every token written has a real page (see :func:`check_write_values`)."""
+    check_write_values(
+        fn,
+        cache.page_table,
+        start,
+        count,
+        num_pages=cache.k_pages.shape[2],
+        page_size=cache.k_pages.shape[3],
+        start_name=start_name,
+        table_name="cache.page_table",
+    )
+
+
+def _check_cache_table(fn: str, cache: PagedKVCache, lengths=None, lengths_name="lengths"):
+    """Eager calls: lengths within capacity and on real pages (see
+    :func:`check_table_values`)."""
+    check_table_values(
+        fn,
+        cache.page_table,
+        cache.lengths if lengths is None else lengths,
+        num_pages=cache.k_pages.shape[2],
+        page_size=cache.k_pages.shape[3],
+        table_name="cache.page_table",
+        lengths_name=lengths_name,
+    )
 
 
 def _count(fn: str, count, B: int, T: int):
@@ -316,18 +360,23 @@ def _write_layer_impl(cache, layer, k, v, start, count):
 
 
 def advance(cache: PagedKVCache, n: Int[Array, " B"] | Int[Array, ""] | IntScalar) -> PagedKVCache:
-    """Adds ``n`` (scalar or ``[B]``) to ``lengths``, clipped to ``[0, capacity]``.
+    """Adds ``n`` (scalar or ``[B]``) to ``lengths``.
 
-    Jittable as it is (``jax.jit(advance)``).
+    Jittable as it is (``jax.jit(advance)``); under ``jit`` the result is clipped to
+    ``[0, capacity]``.
 
     Raises:
-      ValueError: if ``n`` is not an int scalar or ``[B]`` ints.
+      ValueError: if ``n`` is not an int scalar or ``[B]`` ints; on an eager call, if a new
+        length is outside ``[0, capacity]`` or covers a slot without a real page.
 
     Example:
       >>> advance(init_paged_cache(1, 1, 4, 2, 8, batch=2, max_pages_per_seq=2), 3).lengths
       Array([3, 3], dtype=int32)
     """
     n = _start_positions("advance", n, cache.lengths.shape[0], "n")
+    values = concrete_values(cache.lengths, n)
+    if values is not None:  # eager: the new lengths, unclipped, must be readable
+        _check_cache_table("advance", cache, values[0] + values[1], "lengths + n")
     return cache._replace(lengths=jnp.clip(cache.lengths + n, 0, cache.capacity))
 
 
@@ -346,12 +395,14 @@ def append(
       v: ``[L, B, K, H]`` (or ``[L, B, 1, K, H]``) values.
 
     Returns:
-      The updated cache. A sequence whose next slot has no page drops its token but its
-      length still grows (pair with :func:`paged.ensure_next_page` and :func:`write_layer` +
-      ``advance(cache, ok)`` to stop such sequences instead).
+      The updated cache. Under ``jit``, a sequence whose next slot has no page drops its
+      token but its length still grows (pair with :func:`paged.ensure_next_page` and
+      :func:`write_layer` with ``count=ok`` + ``advance(cache, ok)`` to stop such sequences
+      instead); :func:`paged.validate` reports such a cache.
 
     Raises:
-      ValueError: on shapes that do not match the cache.
+      ValueError: on shapes that do not match the cache; on an eager call, a sequence whose
+        next position has no real page or is at capacity (reserve a page first).
 
     Example:
       >>> cache = init_paged_cache(2, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
@@ -365,6 +416,8 @@ def append(
         raise ValueError(
             f"append: k: expected one token per sequence [L, B, K, H], got T={k.shape[2]}"
         )
+    B = k.shape[1]
+    _check_targets("append", cache, cache.lengths, jnp.ones((B,), jnp.int32), "cache.lengths")
     return write(cache, k, v, cache.lengths)
 
 
@@ -392,10 +445,11 @@ def write(
         writes all ``T`` (see :func:`write_layer`).
 
     Returns:
-      The updated cache (unwritable tokens dropped, see module docs).
+      The updated cache (under ``jit``, unwritable tokens dropped, see module docs).
 
     Raises:
-      ValueError: on shapes that do not match the cache.
+      ValueError: on shapes that do not match the cache; on an eager call, a token written
+        without a real page (see :func:`write_layer`).
 
     Example:
       >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
@@ -408,6 +462,7 @@ def write(
     start = _start_positions(fn, start, k.shape[1])
     given = count is not None
     count = _count(fn, count, k.shape[1], k.shape[2])
+    _check_targets(fn, cache, start, count)
     return _write_impl(cache, k, v, start, count, given)
 
 
@@ -452,7 +507,8 @@ def gather_kv(
     Jit with the layer static: ``jax.jit(gather_kv, static_argnums=1)``.
 
     Raises:
-      ValueError: if ``layer`` is not an int in ``[0, L)`` (a float is never truncated).
+      ValueError: if ``layer`` is not an int in ``[0, L)`` (a float is never truncated); if
+        a length is past capacity or covers a slot without a real page (eager: always).
 
     Example:
       >>> k, v = gather_kv(init_paged_cache(1, 2, 4, 2, 8, batch=3, max_pages_per_seq=2), 0)
@@ -460,6 +516,7 @@ def gather_kv(
       (3, 4, 2, 8)
     """
     layer = layer_index("gather_kv", layer, cache.k_pages.shape[0], traced_ok=False)
+    _check_cache_table("gather_kv", cache, lengths_name="cache.lengths")
     return _gather_kv_impl(cache, layer)
 
 
@@ -497,7 +554,8 @@ def with_page_table(
 
     ``paged.PageAllocator.page_table(seqs)`` and ``.lengths(seqs)`` (numpy int32) go in as
     they are; the pools are untouched. Jittable as it is (``jax.jit(with_page_table)``).
-    Only shapes are checked; :func:`paged.validate` checks the ids eagerly.
+    An eager call also checks the values: lengths in ``[0, M * C]`` and a real page in every
+    slot holding a token (:func:`paged.validate` checks more: distinct pages, all ids).
 
     A kivi2 cache given ``lengths`` also re-seats each row's residual window (its most recent
     pages in full precision, see :mod:`paged._kivi`): a window page that the row still holds
@@ -517,7 +575,8 @@ def with_page_table(
 
     Raises:
       ValueError: if ``page_table`` is not ``[B, M]`` ints of the cache's shape, or
-        ``lengths`` not ``[B]`` ints.
+        ``lengths`` not ``[B]`` ints; on an eager call, a length past capacity or a slot
+        inside a length without a real page.
 
     Example:
       >>> from paged import PageAllocator
@@ -543,6 +602,14 @@ def with_page_table(
         raise ValueError(
             f"{fn}: lengths: expected shape {tuple(cache.lengths.shape)}, got {describe(lengths)}"
         )
+    check_table_values(
+        fn,
+        page_table,
+        lengths,
+        num_pages=cache.k_pages.shape[2],
+        page_size=cache.k_pages.shape[3],
+        lengths_name="lengths" if given else "cache.lengths",
+    )
     old_table = cache.page_table
     cache = cache._replace(
         page_table=jnp.asarray(page_table, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32)

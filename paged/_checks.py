@@ -6,6 +6,7 @@ an int option accepts Python ``int`` and numpy integer scalars and returns a Pyt
 mask options (``scale``, ``softcap``) are checked by :func:`ringattn.resolve_mask`.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,6 +20,9 @@ __all__ = [
     "pool_dtype",
     "pool_kind",
     "check_table",
+    "check_table_values",
+    "check_write_values",
+    "concrete_values",
     "describe",
     "host_int_array",
     "int_option",
@@ -223,6 +227,125 @@ def check_table(fn: str, page_table, lengths, B: int | None) -> tuple[int, int]:
             f"{fn}: page_table: expected at least one column (M >= 1), got {page_table.shape}"
         )
     return Bt, M
+
+
+def concrete_values(*arrays) -> tuple[np.ndarray, ...] | None:
+    """The values of ``arrays`` as numpy arrays on an eager call, else None.
+
+    Eager means every array is concrete: not a ``jax.core.Tracer`` (under ``jit``, ``vmap``,
+    ``shard_map`` or a ``grad`` it is one, and reading it would fail or add a host sync to the
+    traced program) and, for a ``jax.Array``, fully addressable. This is the one test every
+    public entry of ``paged`` uses before checking values: traced calls keep the documented
+    masking; eager calls pay one device-to-host copy of these small int arrays.
+    """
+    for x in arrays:
+        if isinstance(x, jax.core.Tracer):
+            return None
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return None
+    return tuple(np.asarray(x) for x in arrays)
+
+
+_RESERVE = (
+    "reserve pages first (PageAllocator.allocate / extend, then with_page_table; on device "
+    "paged.ensure_next_page)"
+)
+
+
+def check_table_values(
+    fn: str,
+    page_table,
+    lengths,
+    *,
+    num_pages: int,
+    page_size: int,
+    table_name: str = "page_table",
+    lengths_name: str = "lengths",
+) -> None:
+    """On an eager call (:func:`concrete_values`): every ``lengths[b]`` in ``[0, M * C]`` and
+    every slot holding one of its tokens (``j < ceil(lengths[b] / C)``) a real page, an id in
+    ``[1, num_pages)``. Slots past a length are never read and may hold anything. Under
+    ``jit`` nothing is checked: such tokens are masked (see :mod:`paged._attention`).
+    """
+    values = concrete_values(page_table, lengths)
+    if values is None:
+        return
+    table, lens = values
+    M = table.shape[1]
+    capacity = M * page_size
+    bad = np.flatnonzero((lens < 0) | (lens > capacity))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(
+            f"{fn}: {lengths_name}[{b}]: expected a length in [0, {capacity}] (capacity M * C = "
+            f"{M} * {page_size}), got {lens[b]}: a sequence cannot hold more tokens than its "
+            f"table slots"
+        )
+    used = np.arange(M)[None, :] * page_size < lens[:, None]  # [B, M] slots holding a token
+    bad = np.argwhere(used & ((table <= 0) | (table >= num_pages)))
+    if bad.size:
+        b, j = (int(i) for i in bad[0])
+        page = int(table[b, j])
+        if page == 0:
+            raise ValueError(
+                f"{fn}: {table_name}[{b}, {j}]: expected a real page for tokens "
+                f"{j * page_size}..{(j + 1) * page_size - 1} of sequence {b} "
+                f"({lengths_name}[{b}] = {lens[b]}), got the null page 0: {_RESERVE}"
+            )
+        raise ValueError(
+            f"{fn}: {table_name}[{b}, {j}]: expected a page id in [1, {num_pages}) (sequence "
+            f"{b} has {lens[b]} tokens), got {page}"
+        )
+
+
+def check_write_values(
+    fn: str,
+    page_table,
+    start,
+    count,
+    *,
+    num_pages: int,
+    page_size: int,
+    start_name: str = "start",
+    table_name: str = "page_table",
+) -> None:
+    """On an eager call (:func:`concrete_values`): every token a write stores (positions
+    ``start[b] ... start[b] + count[b] - 1``) has a real page: a position ``>= 0``, a slot
+    inside the table, an id in ``[1, num_pages)``. Under ``jit`` such tokens are dropped.
+    """
+    values = concrete_values(page_table, start, count)
+    if values is None:
+        return
+    table, first, count = values
+    M = table.shape[1]
+    capacity = M * page_size
+    for b in np.flatnonzero(count > 0):
+        b = int(b)
+        lo, hi = int(first[b]), int(first[b]) + int(count[b])  # positions lo .. hi - 1
+        if lo < 0:
+            raise ValueError(
+                f"{fn}: {start_name}[{b}]: expected a position >= 0 for the first token "
+                f"written, got {lo}"
+            )
+        if hi > capacity:
+            raise ValueError(
+                f"{fn}: {start_name}[{b}]: expected the {hi - lo} token(s) written at "
+                f"{lo}..{hi - 1} to fit the capacity M * C = {capacity} of sequence {b}, got "
+                f"position {hi - 1}: the sequence is full (stop it, or write fewer with count=)"
+            )
+        slots = np.arange(lo // page_size, (hi - 1) // page_size + 1)
+        ids = table[b, slots]
+        bad = np.flatnonzero((ids <= 0) | (ids >= num_pages))
+        if bad.size:
+            j = int(slots[bad[0]])
+            page = int(ids[bad[0]])
+            what = "the null page 0" if page == 0 else f"id {page}, outside [1, {num_pages})"
+            raise ValueError(
+                f"{fn}: {table_name}[{b}, {j}]: expected a real page for the token(s) of "
+                f"sequence {b} written at {max(lo, j * page_size)}.."
+                f"{min(hi, (j + 1) * page_size) - 1}, got {what}: {_RESERVE} (a traced write "
+                f"drops them while lengths count them)"
+            )
 
 
 def check_heads(fn: str, q, K: int, H: int, pool_dtype) -> None:

@@ -169,7 +169,8 @@ def ensure_next_page(
 
     Returns:
       ``(cache, stack, ok)``; ``ok[b]`` is True iff sequence ``b`` is active and its next
-      token has a real page. Write the token (dropped where not ok) and
+      token has a real page. Write the token with ``count=ok.astype(jnp.int32)`` (an eager
+      write of a token without a page raises; a traced one drops it) and
       ``advance(cache, ok.astype(jnp.int32))`` so exhausted sequences stop growing.
 
     Example:

@@ -32,6 +32,7 @@ from paged._checks import (
     check_pages,
     check_residual_rows,
     check_table,
+    check_table_values,
     describe,
     pool_dtype,
 )
@@ -114,7 +115,8 @@ def paged_attention_reference(
       page_mass or None)``.
 
     Raises:
-      ValueError: on inconsistent shapes or options.
+      ValueError: on inconsistent shapes or options; on an eager call, a length past
+        ``M * C`` or a slot inside a length without a real page (as the kernel).
 
     Example:
       >>> import jax.numpy as jnp
@@ -130,6 +132,7 @@ def paged_attention_reference(
     K, P, C, H = check_pages(fn, k_pages, v_pages)
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     _, M = check_table(fn, page_table, lengths, B)
+    check_table_values(fn, page_table, lengths, num_pages=P, page_size=C)
     check_residual_rows(fn, k_pages, v_pages, B)
     spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
     check_sinks(fn, sinks, N)
@@ -200,7 +203,8 @@ def ragged_paged_attention_reference(
       None)``.
 
     Raises:
-      ValueError: on inconsistent shapes or options.
+      ValueError: on inconsistent shapes or options; on an eager call, a length past
+        ``M * C`` or a slot inside a length without a real page (as the kernel).
 
     Example:
       >>> import jax.numpy as jnp
@@ -217,6 +221,7 @@ def ragged_paged_attention_reference(
     K, P, C, H = check_pages(fn, k_pages, v_pages)
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     B, M = check_table(fn, page_table, lengths, None)
+    check_table_values(fn, page_table, lengths, num_pages=P, page_size=C)
     check_residual_rows(fn, k_pages, v_pages, B)
     check_array(fn, "cu_q_lens", cu_q_lens, 1, jnp.integer)
     if tuple(cu_q_lens.shape) != (B + 1,):

@@ -47,6 +47,7 @@ from paged._checks import (
     check_pages,
     check_residual_rows,
     check_table,
+    check_table_values,
     int_option,
     pool_dtype,
 )
@@ -160,7 +161,9 @@ def sharded_paged_attention(
       page_mass or None)``; ``out`` and ``lse`` replicated.
 
     Raises:
-      ValueError: on a bad axis, shapes that do not divide over it, or bad inputs.
+      ValueError: on a bad axis, shapes that do not divide over it, or bad inputs; on an
+        eager call, a length past ``D * M_d * C`` or a slot inside a length without a real
+        local page (an id in ``[1, P_d)``).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -195,6 +198,8 @@ def sharded_paged_attention(
             f"the {D} devices of axis {seq_axis!r} (must both divide), got P % D = {P % D}, "
             f"M % D = {M % D}"
         )
+    # Device d's columns hold ids local to its pool shard of P / D pages.
+    check_table_values(fn, page_table, lengths, num_pages=P // D, page_size=C)
     spec = resolve_mask(fn, mask, causal=causal, window=window, softcap=softcap, scale=scale)
     check_sinks(fn, sinks, N)
     ppb = int_option(fn, "pages_per_block", pages_per_block, minimum=1)

@@ -1,9 +1,11 @@
 """Page tables: eager, loud checks (for tests, notebooks, debugging) and the conversion from
 zero-based tables (JAX's and vLLM's, where page 0 is an ordinary page).
 
-The device functions are safe by construction on any table (bad ids are masked or dropped);
-:func:`validate_page_table` and :func:`validate` say *which* entry is wrong, with
-``ValueError`` naming it.
+Under ``jit`` the device functions are safe by construction on any table (bad ids are masked,
+unwritable tokens dropped, lengths clipped): a traced call cannot raise on values, so it is
+these functions that say *which* entry is wrong, with ``ValueError`` naming it. An eager call
+of a device function (concrete arguments) already raises on what would change its answer: a
+length past capacity, a slot inside a length without a real page, a write without a page.
 """
 
 import jax.numpy as jnp
@@ -28,7 +30,9 @@ def validate_page_table(
 ) -> None:
     """Eagerly checks a page table against a pool; raises on anything unsafe or inconsistent.
 
-    Host side: it reads values, so it cannot run under ``jit`` (call it outside).
+    Host side: it reads values, so it cannot run under ``jit`` (call it outside). Use it on
+    what a jitted step returned: there, tokens without a page were masked or dropped in
+    silence (e.g. a jitted :func:`paged.append` with no page for the next token).
 
     Checks: ids in ``[0, num_pages)``; ``0 <= lengths <= M * page_size``; every slot holding
     a valid token (``j < ceil(lengths / C)``) names a real page (not the null page 0); no page
@@ -89,7 +93,9 @@ def validate_page_table(
 def validate(cache: PagedKVCache) -> None:
     """Eagerly checks a cache's shapes and page table (see :func:`validate_page_table`).
 
-    Host side: it reads values, so it cannot run under ``jit`` (call it outside).
+    Host side: it reads values, so it cannot run under ``jit`` (call it outside). It is how
+    to catch, after a jitted step, what the step masked in silence: a sequence whose length
+    grew onto a slot without a page (a jitted :func:`paged.append` with no page reserved).
 
     A quantized cache (pools :class:`paged.QuantizedPages`) is also checked for consistent
     data, scales and formats, and for finite scales in every readable slot (a token written

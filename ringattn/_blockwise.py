@@ -280,6 +280,8 @@ def blockwise_attention(
       scale: logit scale, default ``1 / sqrt(H)``.
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` of packed documents.
       positions: :class:`ringattn.Positions` ``(q [B, T], kv [B, S])``, default ``arange``.
+        With ``T != S`` under a causal or window mask ``positions.q`` is required (where a
+        shorter query block sits is ambiguous: ``paged`` puts it last): a ``ValueError``.
       sinks: ``[N]`` per-head sink logit (joins the softmax denominator once), or None.
       block_sizes: :class:`ringattn.BlockSizes`; default ``BlockSizes()`` for the XLA path;
         for Pallas on GPU and CPU ``128 // G`` query positions (``128`` rows) by ``64`` keys
@@ -303,8 +305,8 @@ def blockwise_attention(
     Raises:
       ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, a zero head dim or head
         count, segment ids or positions of the wrong type, shape or dtype, a bad window,
-        softcap, scale, sinks or block size, an unknown ``impl``, or both ``mask`` and a
-        keyword.
+        softcap, scale, sinks or block size, an unknown ``impl``, both ``mask`` and a
+        keyword, or ``T != S`` under a causal or window mask without ``positions.q``.
       NotImplementedError: ``impl="pallas"`` with a DenseMask, on a backend other than
         CPU, GPU and TPU, or with block sizes the compiled kernel cannot take.
 

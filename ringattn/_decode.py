@@ -186,6 +186,7 @@ def decode_attention_per_shard(
         segment_ids=None,
         positions=positions,
         sinks=sinks,
+        decode=True,
     )
     _check_axis_name(fn, seq_axis)
     index = lax.axis_index(seq_axis)
@@ -320,6 +321,7 @@ def sharded_decode_attention(
         segment_ids=None,
         positions=positions,
         sinks=sinks,
+        decode=True,
     )
     if not isinstance(mesh, jax.sharding.Mesh):
         raise fail(fn, "mesh", "a jax.sharding.Mesh", type(mesh).__name__)

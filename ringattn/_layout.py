@@ -14,6 +14,16 @@ The attention functions take *global* positions, which :func:`shard_positions` c
 a shard (also from a traced ``jax.lax.axis_index``), so masks keep the meaning they have on
 the un-permuted sequence.
 
+A permutation is invisible in the data: tokens in natural order handed to a function told
+``layout="zigzag"`` look the same as permuted ones. So under a causal or window mask the
+attention functions do not derive positions from a permuted layout: they ask for
+``positions=Positions(q, kv)`` (:func:`check_layout_positions`), permuted together with the
+data (``to_layout(arange(T))``, or :func:`shard_positions` per shard). The positions then
+say where each token truly is, and the result is right whatever order the tokens are in,
+as long as data and positions are permuted alike (a ``to_layout`` forgotten on both costs
+balance, never correctness). :func:`from_layout` cannot tell either whether its input is in layout order
+(see its docstring).
+
 References:
   Brandon et al., "Striped Attention: Faster Ring Attention for Causal Transformers", 2023;
   zhuzilin/ring-flash-attention (zigzag); Liu et al., "Ring Attention with Blockwise
@@ -36,6 +46,36 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 def _check_layout(fn: str, layout) -> None:
     if layout not in LAYOUTS:
         raise fail(fn, "layout", f"one of {LAYOUTS}", repr(layout))
+
+
+def check_layout_positions(fn: str, layout: str, spec, positions, *, per_shard: bool) -> None:
+    """A permuted layout under a causal or window mask needs both positions (module docs).
+
+    ``positions``: the validated :class:`ringattn.Positions` (either side None if not given).
+    ``"contiguous"`` and masks that compare no positions are unaffected.
+    """
+    windowed = spec.window is not None and (
+        not isinstance(spec.window, tuple) or any(w is not None for w in spec.window)
+    )
+    if layout == "contiguous" or not (spec.causal or windowed):
+        return
+    missing = [side for side in ("q", "kv") if getattr(positions, side) is None]
+    if not missing:
+        return
+    what = "causal" if spec.causal else "window"
+    how = (
+        f"ringattn.shard_positions({layout!r}, jax.lax.axis_index(seq_axis), n, T) "
+        f"broadcast to [B, T]"
+        if per_shard
+        else f"ringattn.to_layout(arange(T) broadcast to [B, T], {layout!r}, num_shards=n)"
+    )
+    raise ValueError(
+        f"{fn}: positions: expected ringattn.Positions(q=..., kv=...) for layout {layout!r} "
+        f"with a {what} mask (the order of the tokens is not visible in the data; the "
+        f"positions say where each one truly is), got positions.{' and .'.join(missing)} "
+        f"None: pass {how} for data permuted with to_layout, or arange(T) for data in "
+        f"natural order"
+    )
 
 
 def _check_sequence(fn: str, x, layout: str, num_shards, axis) -> tuple[int, int, int]:
@@ -133,6 +173,14 @@ def from_layout(
     x: Shaped[Array | np.ndarray, "..."], layout: str, *, num_shards: IntLike, axis: IntLike = 1
 ) -> Shaped[Array, "..."]:
     """The inverse of :func:`to_layout`: restores the global token order.
+
+    It cannot check that ``x`` is in ``layout`` order (a permutation leaves no trace in the
+    values): applied to natural-order data, twice, or with another layout or shard count
+    than :func:`to_layout` used, it permutes wrongly without an error. Apply it exactly once
+    per :func:`to_layout`, with the same arguments. The attention functions return their
+    outputs in the order of their inputs: an output needs ``from_layout`` exactly when its
+    inputs went through ``to_layout``. To check a pipeline, carry positions through it:
+    ``from_layout`` of the permuted ``to_layout(arange(T))`` is ``arange(T)``.
 
     Args:
       x: an array whose ``axis`` holds a sequence in ``layout`` order (the concatenation of

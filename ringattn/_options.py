@@ -359,11 +359,15 @@ def prepare(
     sinks,
     default_causal: bool = False,
     dense_ok: bool = False,
+    decode: bool = False,
 ):
     """The checks every attention entry point runs: shapes, mask, ids, sinks.
 
     ``dense_ok``: whether the caller supports :class:`ringattn.DenseMask` (else
-    NotImplementedError).
+    NotImplementedError). ``decode``: the caller's default query positions are the last ``T``
+    of the valid cache (the decode functions); otherwise they are ``arange(T)``, and
+    :func:`check_query_placement` refuses to guess where a query block of another length
+    than the keys sits.
 
     Returns ``((B, T, S, N, K, H), MaskSpec, SegmentIds | None, Positions)``.
     """
@@ -383,4 +387,30 @@ def prepare(
     spec.check_dense(fn, T, S)
     seg, pos = resolve_ids(fn, B, T, S, segment_ids, positions)
     check_sinks(fn, sinks, N)
+    if not decode:
+        check_query_placement(fn, B, T, S, spec, pos)
     return dims, spec, seg, pos
+
+
+def check_query_placement(fn: str, B: int, T: int, S: int, spec: MaskSpec, pos: Positions) -> None:
+    """``T != S`` queries under a causal or window mask need ``positions.q``.
+
+    With the default positions ``arange(T)`` a query block shorter than the keys sits at the
+    FIRST positions (a 1-token query sees only key 0), while ``paged`` and the decode
+    functions put it at the LAST; rather than pick one in silence, the arange-default entry
+    points ask. ``T == S``, an empty batch or sequence (``B``, ``T`` or ``S`` zero), a mask that does not compare positions
+    (no causal, no window) and given query positions are unaffected.
+    """
+    windowed = spec.window is not None and (
+        not isinstance(spec.window, tuple) or any(w is not None for w in spec.window)
+    )
+    if T == S or 0 in (B, T, S) or pos.q is not None or not (spec.causal or windowed):
+        return
+    what = "causal" if spec.causal else "window"
+    raise ValueError(
+        f"{fn}: positions: expected ringattn.Positions(q=...) for a {what} mask over T={T} "
+        f"queries and S={S} keys (T != S: where the queries sit is ambiguous), got "
+        f"{'None' if pos.kv is None else 'only positions.kv'}: pass positions="
+        f"ringattn.Positions(q=S - T + arange(T), kv=None) for queries at the end of the "
+        f"keys (decode, chunked prefill) or q=arange(T) for the first positions"
+    )

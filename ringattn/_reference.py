@@ -54,6 +54,8 @@ def attention_reference(
       scale: logit scale, default ``1 / sqrt(H)``.
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])``.
       positions: :class:`ringattn.Positions` ``(q [B, T], kv [B, S])``, default ``arange``.
+        With ``T != S`` under a causal or window mask ``positions.q`` is required (where a
+        shorter query block sits is ambiguous: ``paged`` puts it last): a ``ValueError``.
       sinks: ``[N]`` per-head sink logit, or None.
 
     Returns:
@@ -62,12 +64,14 @@ def attention_reference(
       ``lse = -inf`` (``lse = sink`` with sinks).
 
     Raises:
-      ValueError: on inconsistent shapes, dtypes or options.
+      ValueError: on inconsistent shapes, dtypes or options; ``T != S`` under a causal or
+        window mask without ``positions.q``.
 
     Example:
       >>> import jax.numpy as jnp
+      >>> last = Positions(q=jnp.array([[1, 2]]), kv=None)  # T=2 queries at the end of S=3
       >>> out, lse = attention_reference(jnp.ones((1, 2, 2, 4)), jnp.ones((1, 3, 1, 4)),
-      ...                                jnp.ones((1, 3, 1, 4)), causal=True)
+      ...                                jnp.ones((1, 3, 1, 4)), causal=True, positions=last)
       >>> out.shape, lse.shape
       ((1, 2, 2, 4), (1, 2, 2))
     """

@@ -74,7 +74,7 @@ from ringattn._kernels_backward import (
     update_backward_blocks,
 )
 from ringattn._kernels_forward import forward_q_rows, init_forward_state, update_forward_blocks
-from ringattn._layout import LAYOUTS, shard_positions
+from ringattn._layout import LAYOUTS, check_layout_positions, shard_positions
 from ringattn._online_softmax import (
     AttentionOutput,
     apply_sinks,
@@ -453,7 +453,8 @@ def ring_attention_per_shard(
       v: ``[B, S, K, H]`` this shard's values.
       seq_axis: the mesh axis (or tuple of axes) the sequence is sharded over.
       layout: one of ``LAYOUTS``: ``"contiguous"``, or the causally load-balanced
-        ``"zigzag"`` (``T``, ``S`` even) and ``"striped"``. It sets the default positions.
+        ``"zigzag"`` (``T``, ``S`` even) and ``"striped"``. It sets the default positions of
+        ``"contiguous"``; the permuted ones need ``positions`` under a causal or window mask.
       mask: a :class:`ringattn.MaskSpec`, or its fields as the keywords below (not both).
       causal: a query at global position ``p`` sees keys at positions ``<= p``.
       window: hide keys at positions ``<= p - window``; a tuple: one per query head. With
@@ -464,7 +465,11 @@ def ring_attention_per_shard(
       segment_ids: :class:`ringattn.SegmentIds` of the local queries ``[B, T]`` and keys
         ``[B, S]``; the key ids travel with the keys.
       positions: :class:`ringattn.Positions` of the local queries and keys (global
-        positions); default ``shard_positions(layout, axis_index, n, T)`` per batch row.
+        positions); default ``shard_positions(layout, axis_index, n, T)`` per batch row,
+        except that ``"zigzag"`` / ``"striped"`` under a causal or window mask require both
+        (``shard_positions(layout, jax.lax.axis_index(seq_axis), n, T)`` for shards cut by
+        :func:`ringattn.to_layout`): a permutation is not visible in the data. With
+        ``T != S`` under a causal or window mask ``positions.q`` is required.
       sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the per-hop kernel; with ``"zigzag"`` they
         are clamped to half the local length so causal chunk pairs can be skipped.
@@ -494,8 +499,9 @@ def ring_attention_per_shard(
       ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, bad segment ids or
         positions, an unknown ``layout`` or ``hop_format``, an odd ``T`` or ``S`` with
         ``"zigzag"``, a bad window, softcap, scale, sinks or ``block_sizes``, or a
-        ``seq_axis`` that is not bound (called outside ``shard_map``), or an unknown
-        ``impl``.
+        ``seq_axis`` that is not bound (called outside ``shard_map``), an unknown
+        ``impl``, or missing positions (``"zigzag"`` / ``"striped"`` under a causal or window
+        mask; ``T != S`` under one).
       NotImplementedError: ``impl="pallas"`` with a ``hop_format``, on a backend other than
         CPU, GPU and TPU, or with block sizes the compiled kernel cannot take.
 
@@ -532,6 +538,7 @@ def ring_attention_per_shard(
     )
     if layout not in LAYOUTS:
         raise fail(fn, "layout", f"one of {LAYOUTS}", repr(layout))
+    check_layout_positions(fn, layout, spec, pos, per_shard=True)
     check_block_sizes(fn, block_sizes)
     hop_format = check_hop_format(fn, hop_format)
     impl = resolve_impl(fn, impl, jax.default_backend())

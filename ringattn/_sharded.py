@@ -36,7 +36,7 @@ from jaxtyping import Array, Float
 from ringattn._blockwise import BlockSizes, empty_attention, resolve_impl
 from ringattn._checks import FloatLike, IntLike, fail
 from ringattn._hop_format import check_hop_format
-from ringattn._layout import LAYOUTS, to_layout
+from ringattn._layout import LAYOUTS, check_layout_positions, to_layout
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
 from ringattn._ring import check_pallas_options
@@ -182,8 +182,9 @@ def sharded_attention(
     """Exact attention on global arrays whose sequence is sharded over a mesh axis.
 
     The inputs are GLOBAL arrays already in ``layout`` order along the sequence (call
-    :func:`ringattn.to_layout` once at the data boundary, :func:`ringattn.from_layout` on the
-    result). The function builds a ``jax.shard_map`` (``check_vma=True``) that shards the
+    :func:`ringattn.to_layout` once at the data boundary on the data and on their positions,
+    which a permuted layout under a causal or window mask requires, and
+    :func:`ringattn.from_layout` on the result). The function builds a ``jax.shard_map`` (``check_vma=True``) that shards the
     batch over ``batch_axis``, the sequence over ``seq_axis`` and the heads (``N`` and ``K``
     together) over ``head_axis``, and works on meshes with ``Auto`` or ``Explicit`` axes (with
     Explicit axes, inputs laid out differently are resharded first). Every strategy gives the
@@ -223,11 +224,17 @@ def sharded_attention(
       softcap: logits become ``softcap * tanh(logits / softcap)``.
       scale: logit scale, default ``1 / sqrt(H)``.
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` in layout order.
-      positions: :class:`ringattn.Positions` (global positions in layout order); default:
-        the positions the layout puts there (``to_layout(arange(T))``). Strategies
+      positions: :class:`ringattn.Positions` (global positions, in the order of the
+        inputs). Required (both sides) for ``"zigzag"`` / ``"striped"`` under a causal or
+        window mask: a permutation is not visible in the data, so the positions say where
+        each token truly is and any order then gives the right result (pass
+        ``to_layout(arange(T))`` with permuted inputs; computed outside ``jit`` or bound
+        with ``functools.partial`` they stay concrete, and the hop pruning below works as
+        with the old defaults). Otherwise default ``arange``; with ``T != S`` under a causal
+        or window mask ``positions.q`` is required. Strategies
         ``"ring"`` and ``"usp"`` with ``causal`` and / or a ``window`` stop the ring after
         the last hop that can bring a visible key, read off each row's per-shard position
-        ranges (any layout; default or concrete positions). Traced positions (under an outer
+        ranges (any layout; default or concrete positions). Traced positions (an argument of an outer
         ``jit``) cannot be read: every hop runs (same result, more transfers).
       sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the local kernel.
@@ -251,7 +258,9 @@ def sharded_attention(
         twice; a ``seq_axis`` of the wrong form; inconsistent q/k/v shapes or dtypes; ``T`` or
         ``S`` not divisible by the number of sequence shards (by twice the layout shards for
         ``"zigzag"``); batch or heads not divisible by their axis sizes; query heads not
-        divisible by the Ulysses degree; bad segment ids, positions, window, softcap, scale,
+        divisible by the Ulysses degree; ``T != S`` under a causal or window mask without
+        ``positions.q``, or ``"zigzag"`` / ``"striped"`` under one without both positions;
+        bad segment ids, positions, window, softcap, scale,
         block sizes or ``hop_format``; an unknown ``impl``.
       NotImplementedError: a ``hop_format`` with strategy ``"allgather"`` or ``"ulysses"``
         (no ring hops to quantize) or with ``impl="pallas"``; ``impl="pallas"`` on a TPU or
@@ -293,6 +302,7 @@ def sharded_attention(
         raise fail(_FN, "strategy", f"one of {STRATEGIES}", repr(strategy))
     if layout not in LAYOUTS:
         raise fail(_FN, "layout", f"one of {LAYOUTS}", repr(layout))
+    check_layout_positions(_FN, layout, spec, pos, per_shard=False)
     hop_format = check_hop_format(_FN, hop_format)
     impl = resolve_impl(_FN, impl, jax.default_backend())
     check_pallas_options(_FN, impl, hop_format)

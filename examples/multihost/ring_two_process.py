@@ -54,6 +54,8 @@ def global_array(x):  # each process supplies only the shards its own devices ho
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
+# The positions travel with the data (permuted alike): they say where each token truly is.
+positions = zig(np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)))
 attend = jax.jit(
     partial(
         ringattn.sharded_attention,
@@ -63,6 +65,7 @@ attend = jax.jit(
         strategy="ring",
         layout="zigzag",
         causal=True,
+        positions=ringattn.Positions(positions, positions),
     )
 )
 out = attend(global_array(q), global_array(k), global_array(v)).out  # global, zigzag order

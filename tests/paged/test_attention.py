@@ -150,11 +150,14 @@ def test_bad_page_ids_are_masked_never_read():
     P = k_pages.shape[1]
     table = table.at[0, 1].set(P + 2).at[1, 0].set(-1).at[2, 2].set(0)
     q = jnp.asarray(rng.standard_normal((3, 1, 2, 8)), jnp.float32)
-    out = paged_attention(q, k_pages, v_pages, table, lengths).out
+    # Traced (the documented masking); an eager call raises instead (tests/paged/test_checks.py).
+    out = jax.jit(paged_attention)(q, k_pages, v_pages, table, lengths).out
     ref = reference(
         q, k_pages, v_pages, table, lengths, q_positions=lengths[:, None] - 1, causal=True
     ).out
     assert_close(out, ref, dtype=jnp.float32, what="masked bad ids")
+    with pytest.raises(ValueError, match=r"paged_attention: page_table\[0, 1\]"):
+        paged_attention(q, k_pages, v_pages, table, lengths)
 
 
 def test_default_arguments_and_single_output():

@@ -119,7 +119,7 @@ def test_unwritable_tokens_are_dropped():
     cache = init_paged_cache(1, 1, 6, C, H, 2, 2)
     cache = with_page_table(cache, jnp.array([[3, 0], [-1, 9]], jnp.int32))
     k = jnp.ones((1, 2, 12, 1, H))
-    out = write(cache, k, k, jnp.array([-2, 0]))
+    out = jax.jit(write)(cache, k, k, jnp.array([-2, 0]))  # traced: dropped, never raised
     written = np.asarray(out.k_pages[0, 0, :, :, 0])
     expected = np.zeros((6, C))
     expected[3, :] = 1.0  # only sequence 0's positions 0..3 land on a real page
@@ -138,8 +138,13 @@ def test_append_and_advance():
     for b, pos in enumerate([3, 4, 0]):
         np.testing.assert_array_equal(np.asarray(gk[b, pos]), np.asarray(k[1, b]))
         np.testing.assert_array_equal(np.asarray(gv[b, pos]), np.asarray(2 * k[1, b]))
-    assert advance(cache, 100).lengths.tolist() == [M * C] * B
-    assert advance(cache, -100).lengths.tolist() == [0] * B
+    # Under jit the documented clipping stays; an eager call says what is wrong.
+    assert jax.jit(advance)(cache, 100).lengths.tolist() == [M * C] * B
+    assert jax.jit(advance)(cache, -100).lengths.tolist() == [0] * B
+    with pytest.raises(ValueError, match=r"advance: lengths \+ n\[0\]: expected a length in"):
+        advance(cache, 100)
+    with pytest.raises(ValueError, match=r"lengths \+ n\[0\]: .* got -96"):
+        advance(cache, -100)
 
 
 def test_copy_pages_copies_and_drops():

@@ -125,12 +125,12 @@ def test_jitted_decode_loop_takes_pages_and_stops_safely_when_exhausted():
     table = np.zeros((B, M), np.int32)
     table[0, 0], table[1, 0], table[2, :4] = 5, 6, [1, 2, 3, 4]
     cache = with_page_table(cache, table, jnp.array([3, 4, 13], jnp.int32))
-    # Pre-fill existing tokens with the same encoding the loop uses (one write of 13 tokens;
-    # those past a sequence's pages are dropped, those past its length are overwritten later).
+    # Pre-fill existing tokens with the same encoding the loop uses (one write of up to 13
+    # tokens, count= keeping each row to its length: the loop writes the rest).
     value = jnp.arange(B)[:, None] * 1000.0 + jnp.arange(13)[None]  # [B, 13]
     kv = jnp.broadcast_to(value[None, :, :, None, None], (L, B, 13, K, H))
     scale = jnp.arange(1, L + 1, dtype=jnp.float32)[:, None, None, None, None]
-    cache = write(cache, kv * scale, -kv, 0)._replace(lengths=cache.lengths)
+    cache = write(cache, kv * scale, -kv, 0, count=cache.lengths)
     stack = make_free_stack([7, 8])
     cache, stack, grew = jax.jit(decode_loop, static_argnums=2)(cache, stack, 10)
     # Step 0: seq 1 (full page) takes page 8; step 1: seq 0 reaches position 4 and takes 7.

@@ -212,7 +212,9 @@ def test_ragged_lengths_and_writes_past_capacity():
     rng = np.random.default_rng(5)
     k, v = _kv(rng, L, B, 5, K, H)
     start = jnp.array([0, 3, 9])  # the last sequence runs past capacity (dropped)
-    cache = write(cache, k, v, start)
+    with pytest.raises(ValueError, match=r"write: start\[2\]: expected the 5 token\(s\)"):
+        write(cache, k, v, start)  # eager: an error; traced: the documented drop
+    cache = jax.jit(write)(cache, k, v, start)
     np.testing.assert_array_equal(cache.lengths, [5, 8, 12])
     kg, _ = gather_kv(cache, 1)
     kg, x = np.asarray(kg), np.asarray(k[1])

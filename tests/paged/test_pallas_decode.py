@@ -48,10 +48,18 @@ def run_kernel(variant, q, k_pages, v_pages, table, lengths, *, q_positions=None
     return out.astype(q.dtype), lse
 
 
-def check_against_reference(variant, q, k_pages, v_pages, table, lengths, *, dtype, **options):
-    out, lse = run_kernel(variant, q, k_pages, v_pages, table, lengths, **options)
+def check_against_reference(
+    variant, q, k_pages, v_pages, table, lengths, *, dtype, traced=False, **options
+):
+    """``traced``: table and lengths traced under ``jit``, where bad ids inside a length are
+    masked (an eager call raises on them)."""
+    kernel = functools.partial(run_kernel, variant, q, k_pages, v_pages, **options)
     options.pop("ppb", None)
-    ref = paged_attention_reference(q, k_pages, v_pages, table, lengths, **options)
+    oracle = functools.partial(paged_attention_reference, q, k_pages, v_pages, **options)
+    if traced:
+        kernel, oracle = jax.jit(kernel), jax.jit(oracle)
+    out, lse = kernel(table, lengths)
+    ref = oracle(table, lengths)
     what = f"{variant} {options}"
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
     assert_close(out, ref.out, dtype=dtype, what=what + " out")
@@ -82,9 +90,11 @@ def test_decode_matches_reference_with_garbage_and_bad_ids(variant):
     P = k_pages.shape[1]
     # Out-of-range and null ids inside a length, and garbage ids past the lengths: masked.
     table = table.at[4, 1].set(P + 3).at[3, 0].set(-2).at[2, 2].set(P + 7).at[4, 2].set(0)
-    ref = check_against_reference(variant, q, k_pages, v_pages, table, lengths, dtype=jnp.float32)
+    ref = check_against_reference(
+        variant, q, k_pages, v_pages, table, lengths, dtype=jnp.float32, traced=True
+    )
     assert np.isneginf(np.asarray(ref.lse[0])).all()  # length 0: nothing visible
-    out, _ = run_kernel(variant, q, k_pages, v_pages, table, lengths)
+    out, _ = jax.jit(functools.partial(run_kernel, variant))(q, k_pages, v_pages, table, lengths)
     assert not np.asarray(out[0]).any()  # ... and out = 0
 
 
@@ -232,7 +242,9 @@ def test_full_matrix_against_reference(variant, dtype, heads, name, ppb):
     P = k_pages.shape[1]
     table = table.at[5, 4].set(P).at[4, 0].set(-1)  # out-of-range ids inside lengths
     options = dict(SLOW_OPTIONS[name], ppb=ppb)
-    check_against_reference(variant, q, k_pages, v_pages, table, lens, dtype=dtype, **options)
+    check_against_reference(
+        variant, q, k_pages, v_pages, table, lens, dtype=dtype, traced=True, **options
+    )
 
 
 @pytest.mark.slow

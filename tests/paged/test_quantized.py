@@ -451,9 +451,7 @@ def test_ragged_attention_over_quantized_pages(kind):
 )
 def test_sharded_attention_over_quantized_pages(kind, D, axis_type):
     rng = np.random.default_rng(20 + D)
-    q, k, v, local, lengths, global_table = sharded_inputs(
-        rng, D, slots_per_device=12 // D, pages_per_device=12 // D + 2, lengths=(45, 13, 0)
-    )
+    q, k, v, local, lengths, global_table = sharded_inputs(rng, D, lengths=(45, 13, 0))
     kq, vq = quantized_pools(k, v, kind)
     mesh = make_test_mesh((D,), ("seq",), axis_type=axis_type)
     run = jax.jit(

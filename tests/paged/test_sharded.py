@@ -22,10 +22,15 @@ from tests._util import assert_close, make_test_mesh
 K, C, H, N = 2, 4, 8, 4
 
 
-def sharded_inputs(rng, D, *, pages_per_device=5, slots_per_device=3, lengths=(45, 13, 0)):
-    """Per-device pools with permuted local ids, plus the same data as one global pool."""
+def sharded_inputs(rng, D, *, pages_per_device=None, slots_per_device=None, lengths=(45, 13, 0)):
+    """Per-device pools with permuted local ids, plus the same data as one global pool.
+
+    By default each device has ``max(3, ceil(12 / D))`` table slots (capacity ``>= 48 >=
+    45`` tokens: a length past capacity is an error of eager calls) and two spare pages.
+    """
     B = len(lengths)
-    Pd, Md = pages_per_device, slots_per_device
+    Md = max(3, -(-12 // D)) if slots_per_device is None else slots_per_device
+    Pd = Md + 2 if pages_per_device is None else pages_per_device
     k = rng.standard_normal((K, D * Pd, C, H)).astype(np.float32)
     v = rng.standard_normal((K, D * Pd, C, H)).astype(np.float32)
     k[:, ::Pd] = np.nan  # every device's local null page
@@ -84,9 +89,7 @@ def test_local_partials_merge_to_single_device_result(D, window):
 )
 def test_sharded_paged_attention_matches_single_device(D, axis_type, window):
     rng = np.random.default_rng(10 + D)
-    q, k, v, local, lengths, global_table = sharded_inputs(
-        rng, D, slots_per_device=12 // D, pages_per_device=12 // D + 2, lengths=(45, 13, 0)
-    )
+    q, k, v, local, lengths, global_table = sharded_inputs(rng, D, lengths=(45, 13, 0))
     mesh = make_test_mesh((D,), ("seq",), axis_type=axis_type)
     res = jax.jit(
         functools.partial(sharded_paged_attention, mesh=mesh, seq_axis="seq", window=window)

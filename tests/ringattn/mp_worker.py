@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringattn import attention_reference, sharded_attention, to_layout
+from ringattn import Positions, attention_reference, sharded_attention, to_layout
 
 B, T, N, K, H = 2, 64, 4, 2, 8
 TOLERANCE = 5e-5
@@ -49,10 +49,13 @@ def main(port: int, process_id: int, num_processes: int) -> int:
         x = perm(x)
         return jax.make_array_from_callback(x.shape, spec, lambda index: x[index])
 
+    pos = perm(np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)))  # permuted like the data
+
     def loss(q, k, v, dout):
         out = sharded_attention(
-            q, k, v, mesh=mesh, seq_axis="seq", strategy="ring", layout="zigzag", causal=True
-        ).out
+            q, k, v, mesh=mesh, seq_axis="seq", strategy="ring", layout="zigzag", causal=True,
+            positions=Positions(pos, pos),
+        ).out  # fmt: skip
         return jnp.sum(out * dout), out
 
     grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))

@@ -116,8 +116,9 @@ def test_forward_and_gradients_match_reference(case, dtype, use_jit):
 
 def test_default_block_sizes_and_no_lse():
     q, k, v = attention_inputs(1, 600, 1100, 4, 2, 8, jnp.float32)
-    out = blockwise_attention(q, k, v, causal=True).out
-    assert_close(out, attention_reference(q, k, v, causal=True).out, dtype=jnp.float32)
+    kw = dict(causal=True, positions=Positions(q=jnp.arange(600)[None], kv=None))  # T != S
+    out = blockwise_attention(q, k, v, **kw).out
+    assert_close(out, attention_reference(q, k, v, **kw).out, dtype=jnp.float32)
 
 
 def test_fully_masked_rows_give_zeros_and_finite_gradients():
@@ -305,7 +306,8 @@ def test_explicit_scales_of_either_sign(scale, softcap):
     offsets = jnp.where(jnp.arange(32) % 2 == 1, far, 0.0)[None, :, None, None]
     q = 1.0 + 0.05 * q
     k = offsets + 0.05 * k
-    kw = dict(scale=scale, softcap=softcap, causal=True)
+    first = Positions(q=jnp.arange(24)[None], kv=None)  # T != S: the queries' positions
+    kw = dict(scale=scale, softcap=softcap, causal=True, positions=first)
     fast = functools.partial(blockwise_attention, block_sizes=BlockSizes(8, 8))
     out, lse = fast(q, k, v, **kw)
     want, want_lse = attention_reference(q, k, v, **kw)

@@ -143,3 +143,72 @@ def test_layout_errors(fn, args, kwargs, match):
 def test_shard_positions_errors(args, match):
     with pytest.raises(ValueError, match=match):
         shard_positions(*args)
+
+
+def _natural_inputs(T=16):
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (1, T, 4, 8))
+    k, v = (jax.random.normal(key, (1, T, 2, 8)) for key in ks[1:])
+    return q, k, v
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window=3)], ids=["causal", "window"])
+def test_a_permuted_layout_needs_positions_never_guesses(layout, mask):
+    """Issue 29 item 2: natural-order inputs with layout='zigzag' and no positions used to
+    return errors of order 1; now the positions are required and make any order right."""
+    from ringattn import Positions, attention_reference, sharded_attention
+
+    n, T = 2, 16
+    q, k, v = _natural_inputs(T)
+    mesh = make_test_mesh((n,), ("seq",))
+    attend = lambda *args, **kw: sharded_attention(
+        *args, mesh=mesh, seq_axis="seq", layout=layout, **mask, **kw
+    )
+    want = attention_reference(q, k, v, **mask)
+    match = rf"sharded_attention: positions: expected ringattn.Positions\(q=..., kv=...\) for layout '{layout}'"
+    with pytest.raises(ValueError, match=match):
+        attend(q, k, v)  # the forgotten to_layout: an error, not a wrong answer
+    arange = jnp.arange(T, dtype=jnp.int32)[None]
+    with pytest.raises(ValueError, match=r"got positions.kv None"):
+        attend(q, k, v, positions=Positions(arange, None))
+    # Natural order with natural positions: right (only the balance is lost).
+    got = attend(q, k, v, positions=Positions(arange, arange))
+    np.testing.assert_allclose(np.asarray(got.out), np.asarray(want.out), atol=1e-5)
+    # Permuted data with permuted positions, undone once: right.
+    to = lambda x: to_layout(x, layout, num_shards=n)
+    pos = to(arange)
+    got = attend(to(q), to(k), to(v), positions=Positions(pos, pos))
+    out = from_layout(got.out, layout, num_shards=n)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want.out), atol=1e-5)
+    # A mask that compares no positions needs none; contiguous keeps its default.
+    sharded_attention(q, k, v, mesh=mesh, seq_axis="seq", layout=layout, softcap=2.0)
+    sharded_attention(q, k, v, mesh=mesh, seq_axis="seq", layout="contiguous", **mask)
+
+
+def test_ring_per_shard_with_a_permuted_layout_needs_positions():
+    from ringattn import Positions, attention_reference, ring_attention_per_shard
+
+    n, T = 2, 16
+    q, k, v = _natural_inputs(T)
+    mesh = make_test_mesh((n,), ("seq",))
+    spec = P(None, "seq")
+
+    def run(with_positions):
+        def body(q, k, v):
+            kw = {}
+            if with_positions:  # this shard's global positions, permuted like the data
+                mine = shard_positions("zigzag", jax.lax.axis_index("seq"), n, T // n)[None]
+                kw = dict(positions=Positions(mine, mine))
+            return ring_attention_per_shard(
+                q, k, v, seq_axis="seq", layout="zigzag", causal=True, **kw
+            ).out
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        to = lambda x: to_layout(x, "zigzag", num_shards=n)
+        return from_layout(f(to(q), to(k), to(v)), "zigzag", num_shards=n)
+
+    with pytest.raises(ValueError, match=r"ring_attention_per_shard: positions: .*shard_positions"):
+        run(False)
+    want = attention_reference(q, k, v, causal=True).out
+    np.testing.assert_allclose(np.asarray(run(True)), np.asarray(want), atol=1e-5)

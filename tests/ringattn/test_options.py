@@ -117,7 +117,7 @@ def _qkv(B=1, T=9, S=11, N=4, K=2, H=8, seed=0):
 
 
 def test_numpy_scalar_options_give_the_same_result():
-    q, k, v = _qkv()
+    q, k, v = _qkv(S=9)
     fast = functools.partial(blockwise_attention, block_sizes=BlockSizes(np.int32(4), 4))
     a = fast(q, k, v, causal=np.bool_(True), window=np.int64(5), softcap=np.float32(3.0))
     b = fast(q, k, v, causal=True, window=5, softcap=3.0)
@@ -181,3 +181,49 @@ def test_a_tuple_of_equal_windows_is_the_uniform_window(window):
         got = fn(q, kv, kv, causal=True, window=window).out
         want = fn(q, kv, kv, causal=True, window=window[0]).out
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [blockwise_attention, attention_reference])
+@pytest.mark.parametrize(
+    "mask",
+    [MaskSpec(causal=True), MaskSpec(window=2), MaskSpec(window=(None, 3, None, None))],
+    ids=["causal", "window", "head-window"],
+)
+def test_a_query_block_of_another_length_needs_its_positions(fn, mask):
+    """Issue 29 item 3: T != S under a positional mask is a ValueError without positions.q
+    (``ringattn`` used to put the queries first, ``paged`` puts them last)."""
+    T, S = 2, 6
+    q, k, v = _qkv(1, T, S)
+    match = rf"{fn.__name__}: positions: expected ringattn.Positions\(q=...\) for a .* T={T}"
+    with pytest.raises(ValueError, match=match):
+        fn(q, k, v, mask=mask)
+    with pytest.raises(ValueError, match=r"got only positions\.kv"):
+        fn(q, k, v, mask=mask, positions=Positions(q=None, kv=jnp.arange(S)[None]))
+    # Stated positions: queries at the end, as paged and the decode functions put them.
+    last = Positions(q=jnp.arange(S - T, S, dtype=jnp.int32)[None], kv=None)
+    got = fn(q, k, v, mask=mask, positions=last)
+    padded = jnp.concatenate([jnp.zeros((1, S - T, 4, 8)), q], axis=1)  # T == S: unambiguous
+    want = attention_reference(padded, k, v, mask=mask)
+    assert_close(got.out, want.out[:, S - T :], dtype=jnp.float32, what="queries at the end")
+    # No positional mask, or T == S: nothing is ambiguous.
+    fn(q, k, v, mask=MaskSpec(softcap=2.0))
+    fn(q, k[:, :T], v[:, :T], mask=mask)
+
+
+def test_sharded_entries_ask_for_query_positions_too():
+    from ringattn import ring_attention_per_shard, sharded_attention
+    from tests._util import make_test_mesh
+
+    q, k, v = _qkv(1, 2, 6)
+    mesh = make_test_mesh((1,), ("s",))
+    match = r"positions: expected ringattn.Positions\(q=...\) for a causal mask over T=2"
+    with pytest.raises(ValueError, match="sharded_attention: " + match):
+        sharded_attention(q, k, v, mesh=mesh, seq_axis="s", causal=True)
+    ring = jax.shard_map(
+        lambda q, k, v: ring_attention_per_shard(q, k, v, seq_axis="s", causal=True).out,
+        mesh=mesh,
+        in_specs=jax.sharding.PartitionSpec(None, "s"),
+        out_specs=jax.sharding.PartitionSpec(None, "s"),
+    )
+    with pytest.raises(ValueError, match="ring_attention_per_shard: " + match):
+        ring(q, k, v)

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from ringattn import (
     HOP_FORMATS,
     BlockSizes,
+    Positions,
     QuantizedHop,
     SegmentIds,
     attention_reference,
@@ -32,6 +33,7 @@ from ringattn import (
     hop_bytes,
     quantize_hop,
     ring_attention_per_shard,
+    shard_positions,
     sharded_attention,
     to_layout,
 )
@@ -212,6 +214,11 @@ def _ring(case: Case, seg, hop_format, *, grads: bool = True):
         return from_layout(x, case.layout, num_shards=case.n)
 
     def f(q, k, v):
+        positions = None
+        if case.layout != "contiguous" and (case.causal or case.window is not None):
+            # A permuted layout under a positional mask needs them (issue 29 item 2).
+            natural = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+            positions = Positions(perm(natural), perm(natural))
         out, lse = sharded_attention(
             perm(q),
             perm(k),
@@ -221,6 +228,7 @@ def _ring(case: Case, seg, hop_format, *, grads: bool = True):
             strategy=case.strategy,
             layout=case.layout,
             batch_axis=batch_axis,
+            positions=positions,
             segment_ids=None if seg is None else SegmentIds(perm(seg), perm(seg)),
             block_sizes=BLOCKS,
             hop_format=hop_format,
@@ -390,6 +398,7 @@ def test_masked_nan_key_has_no_effect():
     mesh = make_test_mesh((4,), ("seq",))
     perm = lambda x: to_layout(x, "zigzag", num_shards=4)
     unperm = lambda x: from_layout(x, "zigzag", num_shards=4)
+    natural = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
 
     def f(q, k, v):
         out, lse = sharded_attention(
@@ -400,6 +409,7 @@ def test_masked_nan_key_has_no_effect():
             seq_axis="seq",
             layout="zigzag",
             causal=True,
+            positions=Positions(perm(natural), perm(natural)),  # permuted like the data
             segment_ids=SegmentIds(perm(jnp.zeros((B, L), jnp.int32)), perm(seg)),
             block_sizes=BLOCKS,
             hop_format=hop_format,
@@ -470,7 +480,12 @@ def test_hop_bytes_is_what_travels(hop_format, dtype, layout, segments):
 
     def body(q, k, v, seg):
         ids = SegmentIds(seg, seg) if segments else None
-        return per_shard(q, k, v, segment_ids=ids).out
+        kw = {}
+        if layout != "contiguous":  # a permuted layout needs its positions (issue 29 item 2)
+            mine = shard_positions(layout, jax.lax.axis_index("seq"), n, q.shape[1])
+            mine = jnp.broadcast_to(mine, q.shape[:2])
+            kw = dict(positions=Positions(mine, mine))
+        return per_shard(q, k, v, segment_ids=ids, **kw).out
 
     f = jax.shard_map(
         body, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), check_vma=True

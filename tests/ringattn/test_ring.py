@@ -147,14 +147,18 @@ def _ring_attend(case: Case, mesh, specs, seg, q_seg):
         return tuple(per_shard(q, k, v, **kw))
 
     q_spec, kv_spec, id_spec = specs
-    n_ids = (2 if seg is not None else 0) + (2 if case.positions else 0)
+    # A permuted layout under a positional mask needs the positions (issue 29 item 2).
+    with_positions = case.positions or (
+        case.layout != "contiguous" and (case.causal or case.window is not None)
+    )
+    n_ids = (2 if seg is not None else 0) + (2 if with_positions else 0)
     in_specs = (q_spec, kv_spec, kv_spec) + (id_spec,) * n_ids
     out_specs = (q_spec, q_spec)
     sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
     def attend(q, k, v):
         ids = () if seg is None else (q_seg, seg)
-        if case.positions:
+        if with_positions:
             B, L = q.shape[:2]
             pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
             ids += (pos, pos)
@@ -316,8 +320,17 @@ def _program(n: int, *, grad: bool = False, **kwargs):
     per_shard = functools.partial(
         ring_attention_per_shard, seq_axis="seq", block_sizes=BLOCKS, **kwargs
     )
+    layout = kwargs.get("layout", "contiguous")
+
+    def body(q, k, v):
+        kw = {}
+        if layout != "contiguous":  # a permuted layout needs its positions (issue 29 item 2)
+            mine = shard_positions(layout, jax.lax.axis_index("seq"), n, q.shape[1])[None]
+            kw = dict(positions=Positions(mine, mine))
+        return per_shard(q, k, v, **kw).out
+
     sharded = jax.shard_map(
-        lambda q, k, v: per_shard(q, k, v).out,
+        body,
         mesh=mesh,
         in_specs=P(None, "seq"),
         out_specs=P(None, "seq"),

@@ -28,6 +28,7 @@ from ringattn import (
     from_layout,
     hop_bytes,
     ring_attention_per_shard,
+    shard_positions,
     sharded_attention,
     to_layout,
 )
@@ -53,6 +54,23 @@ def _loss_and_grads(attend, dout, dlse):
     return run
 
 
+def _needs_positions(layout, kw) -> bool:
+    """A permuted layout under a positional mask takes explicit positions (issue 29 item 2)."""
+    spec = kw.get("mask") or MaskSpec(causal=bool(kw.get("causal")), window=kw.get("window"))
+    return layout != "contiguous" and (spec.causal or spec.window is not None)
+
+
+def _with_shard_positions(per_shard, layout, n):
+    """``per_shard`` given this shard's global positions (a permuted layout needs them)."""
+
+    def body(q, k, v):
+        mine = shard_positions(layout, jax.lax.axis_index("seq"), n, q.shape[1])
+        mine = jnp.broadcast_to(mine, q.shape[:2])
+        return per_shard(q, k, v, positions=Positions(mine, mine))
+
+    return body
+
+
 def _per_shard_ring(mesh, n, layout, kw, impl, block_sizes=BLOCKS):
     """Global natural-order ``(q, k, v)`` -> ring per shard (``shard_map``) -> natural order."""
     explicit = AxisType.Explicit in mesh.axis_types
@@ -68,6 +86,10 @@ def _per_shard_ring(mesh, n, layout, kw, impl, block_sizes=BLOCKS):
             extra["segment_ids"], ids = SegmentIds(ids[0], ids[1]), ids[2:]
         if pos is not None:
             extra["positions"] = Positions(ids[0], ids[1])
+        elif _needs_positions(layout, mask_kw):  # this shard's, permuted like the data
+            mine = shard_positions(layout, jax.lax.axis_index("seq"), n, q.shape[1])
+            mine = jnp.broadcast_to(mine, q.shape[:2])
+            extra["positions"] = Positions(mine, mine)
         out = ring_attention_per_shard(
             q,
             k,
@@ -142,6 +164,9 @@ def _sharded(mesh, n, strategy, seq_axis, layout, kw, impl, **axes):
     mask_kw = {key: val for key, val in kw.items() if key not in ids}
 
     def attend(q, k, v):
+        if "positions" not in ids and _needs_positions(layout, mask_kw):
+            natural = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+            ids["positions"] = Positions(to(natural), to(natural))  # permuted with the data
         out, lse = sharded_attention(
             to(q),
             to(k),
@@ -315,7 +340,11 @@ def test_ring_kernels_lower_to_triton_for_cuda_inside_shard_map(monkeypatch):
         impl="pallas",
     )
     f = jax.shard_map(
-        per_shard, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), check_vma=True
+        _with_shard_positions(per_shard, "zigzag", 4),
+        mesh=mesh,
+        in_specs=P(None, "seq"),
+        out_specs=P(None, "seq"),
+        check_vma=True,
     )
 
     def loss(q, k, v):
@@ -547,7 +576,11 @@ def test_ring_kernels_lower_to_mosaic_for_tpu_inside_shard_map(monkeypatch):
         impl="pallas",
     )
     f = jax.shard_map(
-        per_shard, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), check_vma=True
+        _with_shard_positions(per_shard, "zigzag", 4),
+        mesh=mesh,
+        in_specs=P(None, "seq"),
+        out_specs=P(None, "seq"),
+        check_vma=True,
     )
 
     def loss(q, k, v):

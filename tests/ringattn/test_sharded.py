@@ -142,7 +142,12 @@ def make_inputs(N, K, segments, dtype, seed=0):
 
 
 def make_positions(c: Case):
-    return jnp.broadcast_to(2 * jnp.arange(T, dtype=jnp.int32) + 3, (B, T)) if c.positions else None
+    if c.positions:
+        return jnp.broadcast_to(2 * jnp.arange(T, dtype=jnp.int32) + 3, (B, T))
+    if c.layout != "contiguous" and (c.causal or c.window is not None):
+        # A permuted layout under a positional mask needs them (issue 29 item 2).
+        return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return None
 
 
 def run_case(c: Case, q, k, v, seg):

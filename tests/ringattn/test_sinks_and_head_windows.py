@@ -23,6 +23,7 @@ from ringattn import (
     decode_attention_per_shard,
     from_layout,
     ring_attention_per_shard,
+    shard_positions,
     sharded_attention,
     sharded_decode_attention,
     to_layout,
@@ -135,8 +136,14 @@ def test_ring_sinks_join_once(layout):
         block_sizes=BlockSizes(2, 2),
     )
     spec = P(None, "seq")
+
+    def body(q, k, v, s):  # this shard's global positions (a permuted layout needs them)
+        mine = shard_positions(layout, jax.lax.axis_index("seq"), n, q.shape[1])
+        mine = jnp.broadcast_to(mine, q.shape[:2])
+        return tuple(ring(q, k, v, sinks=s, positions=Positions(mine, mine)))
+
     f = jax.shard_map(
-        lambda q, k, v, s: tuple(ring(q, k, v, sinks=s)),
+        body,
         mesh=mesh,
         in_specs=(spec, spec, spec, P()),
         out_specs=(spec, spec),
