@@ -129,8 +129,8 @@ def _prefill_chunk(graphdef, state, cache, tokens, start, per_query: bool, n):
 
     def attend(q, cache, layer):
         res = paged.ragged_paged_attention(
-            q[0], cache.k_pages[layer], cache.v_pages[layer], table, lengths, cu, num,
-            return_page_mass=True,
+            q[0], cache.k_pages, cache.v_pages, table, lengths, cu, num,
+            return_page_mass=True, layer=layer,
         )  # fmt: skip
         valid = (jnp.arange(T) < n)[:, None, None]
         mass = jnp.where(valid, res.page_mass, 0.0) if per_query else res.page_mass[0]
@@ -279,8 +279,11 @@ def _answer(graphdef, state, cache, tables, forced, n_forced, start, cold, max_n
                 ]  # fmt: skip
                 return jnp.concatenate(outs, axis=2), None
             table = tables[layer, 0]
-            if cold is None:
-                res = paged.paged_attention(q, k, v, table, lengths, q_positions=q_positions)
+            if cold is None:  # the layer read in place from the stacked pools
+                res = paged.paged_attention(
+                    q, cache.k_pages, cache.v_pages, table, lengths, q_positions=q_positions,
+                    layer=layer,
+                )  # fmt: skip
             else:
                 res = offload.mixed_residency_attention(
                     q, k, v, table, lengths, cold_table=cold[0], cold_k_pages=cold[1][layer],
@@ -425,7 +428,9 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
     else:
         k_pages, v_pages = _take_pages(cache.k_pages, ids), _take_pages(cache.v_pages, ids)
     small = cache._replace(k_pages=k_pages, v_pages=v_pages)
-    small = paged.with_page_table(small, np.asarray(write_table), np.array([n], np.int32))
+    # Dropped slots inside the length hold the null page on purpose (they are masked): the
+    # hand-off is traced, where paged documents masking rather than the eager check.
+    small = jax.jit(paged.with_page_table)(small, np.asarray(write_table), np.array([n], np.int32))  # fmt: skip
     tables = np.asarray(tables)[:, :, None, :]  # [L, K, 1, M]
     if not per_head:
         tables = tables[:, :1]

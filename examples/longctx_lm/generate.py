@@ -107,12 +107,17 @@ def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start, n, per_qu
 
     def attend(q, cache, layer):
         flat = q.reshape(B * T, *q.shape[2:])[order]
-        k, v = cache.k_pages[layer], cache.v_pages[layer]
         if per_query:  # each query reads its own row's residual page (kivi2 pools)
-            k, v = paged.select_rows(k, row), paged.select_rows(v, row)
-        res = paged.ragged_paged_attention(
-            flat, k, v, table, lengths, cu, num_seqs, return_page_mass=True
-        )
+            k = paged.select_rows(cache.k_pages[layer], row)
+            v = paged.select_rows(cache.v_pages[layer], row)
+            res = paged.ragged_paged_attention(
+                flat, k, v, table, lengths, cu, num_seqs, return_page_mass=True
+            )
+        else:  # the layer read in place from the stacked pools (no copy of the layer)
+            res = paged.ragged_paged_attention(
+                flat, cache.k_pages, cache.v_pages, table, lengths, cu, num_seqs,
+                return_page_mass=True, layer=layer,
+            )  # fmt: skip
         out = jnp.where(valid[:, None, None], res.out[inverse], 0).reshape(q.shape)
         mass = res.page_mass
         if per_query:
@@ -142,9 +147,12 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold
 
     def attend(q, cache, layer, table):
         # The new token is already written at position lengths: attend over lengths + 1 keys.
+        if cold is None:  # the layer read in place from the stacked pools
+            out = paged.paged_attention(
+                q, cache.k_pages, cache.v_pages, table, cache.lengths + 1, layer=layer
+            ).out
+            return out, None
         k, v = cache.k_pages[layer], cache.v_pages[layer]
-        if cold is None:
-            return paged.paged_attention(q, k, v, table, cache.lengths + 1).out, None
         cold_table, cold_k, cold_v = cold
         res = offload.mixed_residency_attention(
             q, k, v, table, cache.lengths + 1,
@@ -455,7 +463,10 @@ class Server:
         # The rows give the evicted pages back; those nobody else holds become free.
         freed = [self.allocator.release_pages(seq, np.flatnonzero(evicted[b])) for b, seq in enumerate(rows) if evicted[b].any()]  # fmt: skip
         freed = np.concatenate(freed)
-        cache = paged.with_page_table(cache, self.allocator.page_table(rows))
+        # Released slots inside a length hold the null page on purpose (attention masks them,
+        # or reads them from the staging pool): a traced hand-off, where paged documents
+        # masking instead of the eager "every slot has a page" check.
+        cache = _hand_off(cache, self.allocator.page_table(rows))
         if retention.scrub and freed.size:
             dead = jnp.asarray(freed)
             cache = cache._replace(k_pages=_scrub(cache.k_pages, dead), v_pages=_scrub(cache.v_pages, dead))  # fmt: skip
@@ -470,6 +481,9 @@ class Server:
         device = held * offload.page_nbytes(cache.k_pages, cache.v_pages)
         tiers = {"device": device, "staging": staging}
         return GenerationInfo(prompt_pages, kept_pages, moved, int(freed), tiers)
+
+
+_hand_off = jax.jit(paged.with_page_table)
 
 
 def _scrub(pool, ids):
