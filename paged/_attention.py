@@ -244,6 +244,16 @@ def layer_pools(fn: str, k_pages, v_pages, layer):
     return merged(k_pages), merged(v_pages), heads
 
 
+def checked_pools(fn: str, k_pages, v_pages, layer):
+    """``(k, v, heads, (K, P, C, H))``: the pools checked, per layer (``layer=None``) or as
+    stacks read in place (:func:`layer_pools`), with one layer's shape."""
+    heads = None
+    if layer is not None:
+        k_pages, v_pages, heads = layer_pools(fn, k_pages, v_pages, layer)
+    K, P, C, H = check_pages(fn, k_pages, v_pages)
+    return k_pages, v_pages, heads, (K if heads is None else heads.shape[0], P, C, H)
+
+
 def pallas_variant(fn: str, impl, backend: str, k_pages, return_page_mass) -> tuple[str, bool]:
     """``(variant, interpret)`` of the Pallas decode kernel for ``impl`` on ``backend``, or
     ``("xla", False)``: ``"auto"`` follows :func:`ringattn.resolve_impl` (the XLA walk for
@@ -346,11 +356,8 @@ def paged_attention(
     fn = "paged_attention"
     check_array(fn, "q", q, 4, jnp.floating)
     B, T, N, _ = q.shape
-    stacked, heads = (k_pages, v_pages), None
-    if layer is not None:
-        k_pages, v_pages, heads = layer_pools(fn, k_pages, v_pages, layer)
-    K, P, C, H = check_pages(fn, k_pages, v_pages)
-    K = K if heads is None else heads.shape[0]
+    stacked = (k_pages, v_pages)
+    k_pages, v_pages, heads, (K, P, C, H) = checked_pools(fn, k_pages, v_pages, layer)
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     check_table(fn, page_table, lengths, B)
     check_table_values(fn, page_table, lengths, num_pages=P, page_size=C)
@@ -530,11 +537,7 @@ def ragged_paged_attention(
     fn = "ragged_paged_attention"
     check_array(fn, "q", q, 3, jnp.floating)
     total, N, _ = q.shape
-    heads = None
-    if layer is not None:
-        k_pages, v_pages, heads = layer_pools(fn, k_pages, v_pages, layer)
-    K, P, C, H = check_pages(fn, k_pages, v_pages)
-    K = K if heads is None else heads.shape[0]
+    k_pages, v_pages, heads, (K, P, C, H) = checked_pools(fn, k_pages, v_pages, layer)
     check_heads(fn, q, K, H, pool_dtype(k_pages))
     B, _ = check_table(fn, page_table, lengths, None)
     check_table_values(fn, page_table, lengths, num_pages=P, page_size=C)

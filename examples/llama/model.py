@@ -21,11 +21,11 @@ Shapes: ``B`` batch, ``T`` tokens, ``D`` model width, ``N`` query heads, ``K`` k
 
 import dataclasses
 
-import jax
-from einops import rearrange
 from flax import nnx
 
-from examples.longctx_lm.model import AttendFn, RMSNorm, rope
+# The GQA projections (rotary at explicit positions) and the SwiGLU MLP are the small example
+# model's: they read only the config fields both configs share.
+from examples.longctx_lm.model import MLP, AttendFn, Attention, RMSNorm
 
 __all__ = ["Llama", "LlamaConfig"]
 
@@ -77,45 +77,6 @@ class LlamaConfig:
             raise ValueError("LlamaConfig: norm_eps, rope_base: expected > 0")
 
 
-class Attention(nnx.Module):
-    """GQA projections around a pluggable attention function."""
-
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        D, N, K, H = cfg.width, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.wq = nnx.Linear(D, N * H, use_bias=False, rngs=rngs)
-        self.wk = nnx.Linear(D, K * H, use_bias=False, rngs=rngs)
-        self.wv = nnx.Linear(D, K * H, use_bias=False, rngs=rngs)
-        self.wo = nnx.Linear(N * H, D, use_bias=False, rngs=rngs)
-
-    def project(self, x, positions):
-        """``x [B, T, D]`` -> ``q [B, T, N, H]``, ``k, v [B, T, K, H]`` (rotary on q and k)."""
-        H, base = self.cfg.head_dim, self.cfg.rope_base
-        q = rearrange(self.wq(x), "b t (n h) -> b t n h", h=H)
-        k = rearrange(self.wk(x), "b t (k h) -> b t k h", h=H)
-        v = rearrange(self.wv(x), "b t (k h) -> b t k h", h=H)
-        return rope(q, positions, base), rope(k, positions, base), v
-
-    def output(self, o):
-        return self.wo(rearrange(o, "b t n h -> b t (n h)"))
-
-    def __call__(self, x, positions, attend: AttendFn):
-        q, k, v = self.project(x, positions)
-        return self.output(attend(q, k, v, positions))
-
-
-class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        self.gate = nnx.Linear(cfg.width, cfg.mlp_width, use_bias=False, rngs=rngs)
-        self.up = nnx.Linear(cfg.width, cfg.mlp_width, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(cfg.mlp_width, cfg.width, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
-
-
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.width, eps=cfg.norm_eps)
@@ -135,6 +96,7 @@ class Llama(nnx.Module):
     :func:`examples.llama.weights.load_gguf` / :func:`~examples.llama.weights.load_safetensors`.
 
     Example:
+      >>> import jax.numpy as jnp
       >>> from examples.longctx_lm.attention import blockwise
       >>> cfg = LlamaConfig(vocab_size=64, width=32, num_layers=2, num_heads=4,
       ...                   num_kv_heads=2, head_dim=8, mlp_width=64)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from offload import DIRECTIONS, TIERS, OffloadSnapshot, OffloadStats
-from offload.monitoring._checks import check_float, check_int
+from offload._checks import check_float, check_int
 from offload.monitoring._metric_families import METRIC_PREFIX
 from paged import AllocatorStats, PageAllocator
 

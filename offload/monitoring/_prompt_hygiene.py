@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 from jaxtyping import Int
 
-from offload.monitoring._checks import check_float, check_int
+from offload._checks import check_float, check_int
 from paged import PageAllocator
 
 __all__ = ["PromptHygiene", "PromptSpan", "find_high_cardinality_spans", "replay_hit_rate"]

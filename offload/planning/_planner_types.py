@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from offload.planning import _checks
+from offload import _checks
 from offload.planning._cost_model import (
     BLOCKWISE_FORWARD_EFFICIENCY,
     CPU_MATMUL_FLOPS,
