@@ -576,7 +576,10 @@ def with_page_table(
     Raises:
       ValueError: if ``page_table`` is not ``[B, M]`` ints of the cache's shape, or
         ``lengths`` not ``[B]`` ints; on an eager call, a length past capacity or a slot
-        inside a length without a real page.
+        inside a length holding an id outside ``[0, P)``. The null page is accepted there:
+        it marks a page absent on purpose (``PageAllocator.release_pages``, a dropped or
+        demoted page), which attention masks; ``paged.validate`` and the eager attention
+        calls report it.
 
     Example:
       >>> from paged import PageAllocator
@@ -609,6 +612,7 @@ def with_page_table(
         num_pages=cache.k_pages.shape[2],
         page_size=cache.k_pages.shape[3],
         lengths_name="lengths" if given else "cache.lengths",
+        allow_null=True,  # the allocator's hand-off: released / absent slots are null
     )
     old_table = cache.page_table
     cache = cache._replace(

@@ -261,11 +261,14 @@ def check_table_values(
     page_size: int,
     table_name: str = "page_table",
     lengths_name: str = "lengths",
+    allow_null: bool = False,
 ) -> None:
     """On an eager call (:func:`concrete_values`): every ``lengths[b]`` in ``[0, M * C]`` and
     every slot holding one of its tokens (``j < ceil(lengths[b] / C)``) a real page, an id in
-    ``[1, num_pages)``. Slots past a length are never read and may hold anything. Under
-    ``jit`` nothing is checked: such tokens are masked (see :mod:`paged._attention`).
+    ``[1, num_pages)`` (``allow_null``: or the null page, a page absent on purpose: released
+    by ``PageAllocator.release_pages``, dropped or demoted by a retention policy). Slots past
+    a length are never read and may hold anything. Under ``jit`` nothing is checked: such
+    tokens are masked (see :mod:`paged._attention`).
     """
     values = concrete_values(page_table, lengths)
     if values is None:
@@ -282,7 +285,7 @@ def check_table_values(
             f"table slots"
         )
     used = np.arange(M)[None, :] * page_size < lens[:, None]  # [B, M] slots holding a token
-    bad = np.argwhere(used & ((table <= 0) | (table >= num_pages)))
+    bad = np.argwhere(used & ((table < (0 if allow_null else 1)) | (table >= num_pages)))
     if bad.size:
         b, j = (int(i) for i in bad[0])
         page = int(table[b, j])

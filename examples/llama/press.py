@@ -428,9 +428,8 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
     else:
         k_pages, v_pages = _take_pages(cache.k_pages, ids), _take_pages(cache.v_pages, ids)
     small = cache._replace(k_pages=k_pages, v_pages=v_pages)
-    # Dropped slots inside the length hold the null page on purpose (they are masked): the
-    # hand-off is traced, where paged documents masking rather than the eager check.
-    small = jax.jit(paged.with_page_table)(small, np.asarray(write_table), np.array([n], np.int32))  # fmt: skip
+    # Dropped slots inside the length hold the null page: attention masks them.
+    small = paged.with_page_table(small, np.asarray(write_table), np.array([n], np.int32))
     tables = np.asarray(tables)[:, :, None, :]  # [L, K, 1, M]
     if not per_head:
         tables = tables[:, :1]

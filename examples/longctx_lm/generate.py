@@ -463,10 +463,9 @@ class Server:
         # The rows give the evicted pages back; those nobody else holds become free.
         freed = [self.allocator.release_pages(seq, np.flatnonzero(evicted[b])) for b, seq in enumerate(rows) if evicted[b].any()]  # fmt: skip
         freed = np.concatenate(freed)
-        # Released slots inside a length hold the null page on purpose (attention masks them,
-        # or reads them from the staging pool): a traced hand-off, where paged documents
-        # masking instead of the eager "every slot has a page" check.
-        cache = _hand_off(cache, self.allocator.page_table(rows))
+        # Released slots inside a length hold the null page (attention masks them, or reads
+        # them from the staging pool).
+        cache = paged.with_page_table(cache, self.allocator.page_table(rows))
         if retention.scrub and freed.size:
             dead = jnp.asarray(freed)
             cache = cache._replace(k_pages=_scrub(cache.k_pages, dead), v_pages=_scrub(cache.v_pages, dead))  # fmt: skip
@@ -481,9 +480,6 @@ class Server:
         device = held * offload.page_nbytes(cache.k_pages, cache.v_pages)
         tiers = {"device": device, "staging": staging}
         return GenerationInfo(prompt_pages, kept_pages, moved, int(freed), tiers)
-
-
-_hand_off = jax.jit(paged.with_page_table)
 
 
 def _scrub(pool, ids):

@@ -116,6 +116,11 @@ def test_lengths_and_ids_are_checked_by_every_table_entry():
             "gather_kv": lambda t, n: gather_kv(cache._replace(page_table=t, lengths=n), 0),
         }
         for fn, call in calls.items():
+            if fn == "with_page_table" and match is null[2]:
+                # The allocator's hand-off takes the null page inside a length: a page
+                # released or demoted on purpose (the attention calls above still reject it).
+                assert with_page_table(cache, table, lengths).page_table.shape == (1, 2)
+                continue
             with pytest.raises(ValueError, match=rf"{fn}: (cache\.)?" + match):
                 call(table, lengths)
         # Traced: masked, finite, never raised.

@@ -64,12 +64,15 @@ def _check(attend, want, q, k, v):
 
 def test_blockwise_and_reference():
     q, k, v = _batched(T=11, S=13)
+    # T != S under a causal mask: the queries sit at the last 11 of the 13 key positions.
+    pos = Positions(q=jnp.broadcast_to(2 + jnp.arange(11), (B, 11)), kv=None)
     fast = functools.partial(
-        blockwise_attention, mask=MASK, sinks=SINKS, block_sizes=BlockSizes(4, 4)
+        blockwise_attention, mask=MASK, sinks=SINKS, block_sizes=BlockSizes(4, 4), positions=pos
     )
-    _check(lambda q, k, v: fast(q, k, v).out, lambda q, k, v: _reference(q, k, v).out, q, k, v)
-    jitted = jax.jit(functools.partial(attention_reference, mask=MASK, sinks=SINKS))
-    assert_close(jitted(q[0], k[0], v[0]).out, _reference(q[0], k[0], v[0]).out, dtype=jnp.float32)
+    ref = functools.partial(_reference, positions=pos)
+    _check(lambda q, k, v: fast(q, k, v).out, lambda q, k, v: ref(q, k, v).out, q, k, v)
+    jitted = jax.jit(functools.partial(attention_reference, mask=MASK, sinks=SINKS, positions=pos))
+    assert_close(jitted(q[0], k[0], v[0]).out, ref(q[0], k[0], v[0]).out, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("axis_type", AXES, ids=AXIS_IDS)
