@@ -309,6 +309,12 @@ def blockwise_attention(
         keyword, or ``T != S`` under a causal or window mask without ``positions.q``.
       NotImplementedError: ``impl="pallas"`` with a DenseMask, on a backend other than
         CPU, GPU and TPU, or with block sizes the compiled kernel cannot take.
+      TypeError: forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize`` of
+        a function of the inputs) is not supported: the gradient is a ``jax.custom_vjp``, and
+        JAX raises ``can't apply forward-mode autodiff (jvp) to a custom_vjp function``.
+        Reverse mode (``jax.grad``, ``jax.vjp``, ``jax.jacrev``) is supported; for
+        forward-mode derivatives, use :func:`ringattn.attention_reference` (plain
+        ``jax.numpy``, differentiable both ways, quadratic memory).
 
     Example:
       >>> import jax, jax.numpy as jnp
