@@ -145,6 +145,30 @@ def default_q_positions(fn: str, q_positions, lengths, B: int, T: int):
     return jnp.asarray(q_positions, jnp.int32)
 
 
+def forward_only(fn: str, impl, *args, **static):
+    """``impl(*args, **static)`` under a ``custom_jvp`` whose rule raises: differentiating it
+    (``jax.grad``, ``vjp``, ``jvp``, ``jacfwd``) is a ``NotImplementedError`` that says what to
+    use instead, not an error from deep inside JAX's loops. Inputs no derivative reaches
+    (constants, ``lax.stop_gradient``) never call the rule."""
+
+    def call(*a):
+        return impl(*a, **static)
+
+    guarded = jax.custom_jvp(call)
+
+    def reject(primals, tangents):
+        raise NotImplementedError(
+            f"{fn}: differentiation (jax.grad / vjp / jvp / jacfwd) is not supported: paged "
+            "attention is forward only (inference over a paged cache). To train, attend over "
+            "contiguous K/V with ringattn.blockwise_attention (differentiable in q, k, v; "
+            "paged.gather_kv(cache, layer) gathers a layer's pages into [B, S, K, H]), or wrap "
+            "the inputs in jax.lax.stop_gradient when no gradient should flow through here"
+        )
+
+    guarded.defjvp(reject)
+    return guarded(*args)
+
+
 @functools.partial(jax.jit, static_argnames=("opts",))
 def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, heads=None, *, opts):
     """``out [B, T, N, H]`` float32, ``lse [B, T, N]`` and (``opts.want_page_lse``) the page
@@ -341,7 +365,10 @@ def paged_attention(
       ValueError: on inconsistent ranks, shapes, dtypes or options (``paged_attention: <arg>:
         expected ..., got ...``), or an unknown ``impl``; on an eager call, a length past
         ``M * C`` or a slot inside a length without a real page (see the module docs).
-      NotImplementedError: ``impl="pallas"`` with a :class:`paged.QuantizedPages` pool,
+      NotImplementedError: any derivative through it (``jax.grad``, ``vjp``, ``jvp``,
+        ``jacfwd``): paged attention is forward only; the message names what to train with
+        (:func:`ringattn.blockwise_attention` on :func:`paged.gather_kv`'s contiguous K/V).
+        Also ``impl="pallas"`` with a :class:`paged.QuantizedPages` pool,
         ``return_page_mass=True``, or (compiled on GPU) a page size or head dim that is not a
         power of two >= 16.
 
@@ -380,9 +407,9 @@ def paged_attention(
         if heads is not None:  # the Pallas kernels take one layer's pools
             k_pages, v_pages = (pool[layer] for pool in stacked)
         args = (q, k_pages, v_pages, table, lengths, q_positions, sinks)
-        return _paged_attention_pallas(*args, cfg=cfg)
+        return forward_only(fn, _paged_attention_pallas, *args, cfg=cfg)
     args = (q, k_pages, v_pages, table, lengths, q_positions, sinks, heads)
-    return _paged_attention_impl(*args, opts=opts)
+    return forward_only(fn, _paged_attention_impl, *args, opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "queries_per_block"))
@@ -524,6 +551,8 @@ def ragged_paged_attention(
     Raises:
       ValueError: on inconsistent ranks, shapes, dtypes or options; on an eager call, a
         length past ``M * C`` or a slot inside a length without a real page.
+      NotImplementedError: any derivative through it (``jax.grad``, ``vjp``, ``jvp``,
+        ``jacfwd``): forward only, as :func:`paged_attention`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -563,7 +592,9 @@ def ragged_paged_attention(
     opts = kernel_options(
         fn, spec, N, H, pages_per_block, page_table.shape[1], bool(return_page_mass)
     )
-    return _ragged_impl(
+    return forward_only(
+        fn,
+        _ragged_impl,
         q,
         k_pages,
         v_pages,

@@ -25,12 +25,18 @@ for a cache (``[L, K, P, C, H]`` float shape; a layer drops ``L``):
   ``C * (n // C - W + 1) ... n - 1``, and reads of those positions take it (the stored pages
   under it are not read; the open page's is not even written).
 
-Asymmetric codes: ``x' = zero + q * scale`` with ``q in {0, 1, 2, 3}``, ``zero = min``,
-``scale = (max - min) / 3`` over the group, both rounded to bfloat16 (stated: 2 bytes each);
-``q = clip(round((x - zero) / scale), 0, 3)`` is computed from the rounded pair. Per element
+Asymmetric codes: ``x' = zero + q * scale`` with ``q in {0, 1, 2, 3}``; over the group, in
+float32, each step rounded to nearest even: ``zero = bfloat16(min)``, ``scale =
+bfloat16((max - min) * float32(1 / 3))`` (stored: 2 bytes each); ``q = clip(round((x - z) *
+float32(1 / s)), 0, 3)`` (the reciprocal first, round half to even, then the clip) computed
+from the rounded pair ``z = float32(zero)``, ``s = float32(scale)``, and ``q = 0`` where
+``s == 0`` (a constant group). ``tests/paged/test_codec_docs.py`` checks these words,
+rewritten in numpy, bit for bit; values below float32's smallest normal follow the backend
+(XLA:CPU flushes them). Per element
 ``|x - x'| <= (max - min) / 6 + (|min| + |max|) * 2**-8`` (half a step plus the two
 bfloat16 roundings). A constant group decodes to ``bf16(min)``; a group holding NaN or inf
-decodes to NaN (``paged.validate`` rejects such a token).
+stores ``scale = zero = NaN`` and codes 0, and decodes to NaN (``paged.validate`` rejects
+such a token).
 
 Bytes per token per kv head at ``H = 128``: keys ``H / 4 + 4 H / C``, values ``H / 4 + 4``;
 with ``C = 64``: 76 bytes for both against bf16's 512 (0.148x), ``C = 16``: 100 (0.195x).
@@ -92,15 +98,16 @@ def encode(x, grouping: str):
     lo = jnp.min(x, axis=axis)
     hi = jnp.max(x, axis=axis)
     zero = lo.astype(jnp.bfloat16)
-    scale = ((hi - lo) / _LEVELS).astype(jnp.bfloat16)
+    scale = ((hi - lo) * (jnp.float32(1.0) / jnp.float32(_LEVELS))).astype(jnp.bfloat16)
     z = jnp.expand_dims(zero.astype(jnp.float32), axis)
     s = jnp.expand_dims(scale.astype(jnp.float32), axis)
     positive = s > 0
-    q = jnp.round((x - z) / jnp.where(positive, s, 1.0))
+    q = jnp.round((x - z) * (1.0 / jnp.where(positive, s, 1.0)))
     q = jnp.where(positive, jnp.clip(q, 0.0, _LEVELS), 0.0)
-    q = jnp.where(jnp.isnan(q), 0.0, q)  # a NaN group: its stats carry the NaN
     bad = nonfinite(x, axis) | ~jnp.isfinite(hi - lo)  # min / max may have dropped a NaN
+    q = jnp.where(jnp.expand_dims(bad, axis), 0.0, q)  # a NaN / inf group: codes 0, stats NaN
     scale = jnp.where(bad, jnp.nan, scale).astype(jnp.bfloat16)
+    zero = jnp.where(bad, jnp.nan, zero).astype(jnp.bfloat16)  # not XLA's min, which may skip NaN
     return pack2(q), scale, zero
 
 

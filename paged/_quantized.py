@@ -15,20 +15,27 @@ int4      ``[*lead, C, H // 2]`` u8   ``[*lead, C, H // g]`` bf16  group of ``g`
 A scale page sits beside its value page (same page id, so the null page 0 and the page table
 are shared). Each kind's encoding and decoding live in one small codec (``_CODECS``).
 
-Semantics of int8 / fp8 (one token of one kv head, ``x [H]`` in float32):
+Semantics of int8 / fp8 (one token of one kv head, ``x [H]`` in float32; every step is a
+float32 operation rounded to nearest even, in this order, and ``tests/paged/test_codec_docs.py``
+checks the stored bits against these words rewritten in numpy):
 
-* ``absmax = max(|x|)``, ``scale = absmax / QMAX`` (``QMAX = 127`` for int8, 448 for fp8);
-* ``data = round(x / scale)``: round half to even and clip to ``[-127, 127]`` for
-  int8; a cast to ``float8_e4m3fn`` (round to nearest even) for fp8;
+* ``absmax = max(|x|)``, ``scale = absmax * r`` with ``r = float32(1 / QMAX)`` (``QMAX = 127``
+  for int8, 448 for fp8; a multiplication, as XLA compiles a division by a constant);
+* ``y = clip(x * float32(1 / scale), -QMAX, QMAX)``: the reciprocal first, then the product
+  (not ``x / scale``, which differs in about one element in 10^5);
+* ``data = round(y)`` half to even, as int8; or ``y`` cast to ``float8_e4m3fn`` (round to
+  nearest even, as ``ml_dtypes`` casts) for fp8;
 * decoding is ``data.astype(float32) * scale``, always float32.
 
 Semantics of int4 (``KVFormat("int4", group_size=g)``, default ``g = 32``): each token's ``[H]``
 vector is cut into ``H // g`` groups of ``g`` consecutive values; per group,
 
-* ``scale = absmax / 7`` rounded to the nearest bfloat16 (8 significant bits);
-* ``q = round(x / scale)`` (half to even), clipped to the symmetric levels ``-7..7`` (``x /
-  scale`` stays below ``7 * (1 + 2**-8)``, so the clip costs at most ``absmax * 2**-8``);
-  ``-8`` is never written (a stored ``-8`` nibble, e.g. garbage, decodes to ``-8 * scale``);
+* ``scale = bfloat16(absmax * float32(1 / 7))``, rounded to the nearest bfloat16 (8
+  significant bits, ties to even);
+* ``q = clip(round(x * float32(1 / float32(scale))), -7, 7)``, round half to even, then the
+  symmetric clip (``x / scale`` stays below ``7 * (1 + 2**-8)``, so the clip costs at most
+  ``absmax * 2**-8``); ``-8`` is never written (a stored ``-8`` nibble, e.g. garbage, decodes
+  to ``-8 * scale``);
 * two levels per byte along ``H``: value ``2i`` in the low nibble of byte ``i``, value
   ``2i + 1`` in the high nibble, each as 4-bit two's complement (``data`` uint8);
 * decoding is ``q.astype(float32) * scale.astype(float32)``, one group at a time.
@@ -36,8 +43,9 @@ vector is cut into ``H // g`` groups of ``g`` consecutive values; per group,
 ``H`` must be a multiple of ``g`` (so even): ``init_paged_cache`` and ``quantize_pages`` raise
 ``ValueError`` otherwise, including when ``H < g`` (choose ``group_size=H`` or a divisor).
 
-All kinds: an all-zero token (group) gets ``scale = 0`` and ``data = 0`` and decodes to exact
-zeros. A token (int4: a group) holding NaN or inf gets ``scale = NaN`` and ``data = 0``: it
+int8 / fp8 / int4: an all-zero token (group) gets ``scale = 0`` and ``data = 0`` and decodes
+to exact zeros; so does one whose float32 scale ``absmax * r`` is below ``2**-126`` (float32's
+smallest normal), on every backend. A token (int4: a group) holding NaN or inf gets ``scale = NaN`` and ``data = 0``: it
 decodes to NaN (inf is not representable), so it propagates to the rows that see it, as a NaN
 does in a float pool. :func:`paged.validate` rejects such a token in a readable slot loudly.
 Slots no query may see are removed by a select in every path, NaN scales included.
@@ -48,8 +56,8 @@ absmax / 448 * 2**-10`` (3 mantissa bits; the second term covers e4m3's subnorma
 rounding of the scale). So a constant token does not decode exactly (``1.0`` comes back as
 ``0.998``), unlike int8 / fp8. Plus float32 rounding of the scale and the
 product. A token (group) whose scale would be below float32's smallest normal (``absmax < QMAX
-* 2**-126``, about 1.5e-36 for int8) stores zeros, since XLA on CPU flushes subnormals: its
-error is below that.
+* 2**-126``, about 1.5e-36 for int8) stores zeros (XLA on CPU flushes subnormals, so every
+backend does the same): its error is below that.
 
 Bytes per token per kv head, for keys and for values: int8 / fp8 ``H + 4`` (one float32
 scale); int4 ``H / 2 + 2 * H / g`` (bfloat16 scales): 72 at ``H = 128, g = 32``, 0.281 of
@@ -88,8 +96,17 @@ def _absmax_scale(x, qmax, axis=-1):
     a count of non-finite values: XLA:CPU's max reduction drops NaN in larger arrays."""
     absmax = jnp.max(jnp.abs(x), axis=axis)
     finite = ~_kivi.nonfinite(x, axis) & jnp.isfinite(absmax)
-    scale = jnp.where(finite, absmax / qmax, jnp.nan)
-    return scale, finite & (scale >= _TINY)
+    # The documented rule, spelled as it runs: XLA rewrites a division by a constant into a
+    # multiplication by its float32 reciprocal, so say so here.
+    scale = jnp.where(finite, absmax * reciprocal(qmax), jnp.nan)
+    keep = finite & (scale >= _TINY)
+    # Below float32's smallest normal the scale is 0 on every backend (XLA:CPU flushes it).
+    return jnp.where(finite & ~keep, 0.0, scale), keep
+
+
+def reciprocal(q: float):
+    """``float32(1 / q)``, correctly rounded: the factor the documented rules multiply by."""
+    return np.float32(1.0) / np.float32(q)
 
 
 class _PerTokenCodec:
@@ -115,7 +132,8 @@ class _PerTokenCodec:
         scale, keep = _absmax_scale(x, self.qmax)
         # Divide by the scale, not by absmax: XLA computes x / y as x * (1 / y), and 1 / absmax
         # is subnormal (flushed to zero on CPU) for absmax > 2**126, while 1 / scale is not.
-        scaled = x / jnp.where(keep, scale, 1.0)[..., None]
+        # x * (1 / scale), spelled out: XLA rewrites x / broadcast(scale) into exactly this.
+        scaled = x * (1.0 / jnp.where(keep, scale, 1.0))[..., None]
         scaled = jnp.clip(scaled, -self.qmax, self.qmax)
         if self.rounds:
             scaled = jnp.round(scaled)
@@ -150,9 +168,9 @@ class _Int4Codec:
         groups = x.reshape(*lead, H // group_size, group_size)  # [..., H / g, g]
         scale, keep = _absmax_scale(groups, self.qmax)
         # Round to nearest: a scale >= 2**-126 stays >= 2**-126 (a bfloat16 normal).
-        scale = jnp.where(keep | jnp.isnan(scale), scale, 0.0).astype(jnp.bfloat16)
-        divisor = jnp.where(keep, scale.astype(jnp.float32), 1.0)[..., None]
-        levels = jnp.clip(jnp.round(groups / divisor), -self.qmax, self.qmax)
+        scale = scale.astype(jnp.bfloat16)
+        inverse = 1.0 / jnp.where(keep, scale.astype(jnp.float32), 1.0)[..., None]
+        levels = jnp.clip(jnp.round(groups * inverse), -self.qmax, self.qmax)
         levels = jnp.where(keep[..., None], levels, 0.0).astype(jnp.int8).reshape(*lead, H)
         nibbles = lax.bitcast_convert_type(levels, jnp.uint8) & jnp.uint8(0xF)
         data = nibbles[..., 0::2] | (nibbles[..., 1::2] << jnp.uint8(4))  # [..., H / 2]

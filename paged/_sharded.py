@@ -39,6 +39,7 @@ from paged._attention import (
     check_sinks,
     default_q_positions,
     finish,
+    forward_only,
     resolve_mask,
 )
 from paged._checks import (
@@ -164,6 +165,8 @@ def sharded_paged_attention(
       ValueError: on a bad axis, shapes that do not divide over it, or bad inputs; on an
         eager call, a length past ``D * M_d * C`` or a slot inside a length without a real
         local page (an id in ``[1, P_d)``).
+      NotImplementedError: any derivative through it (``jax.grad``, ``vjp``, ``jvp``,
+        ``jacfwd``): forward only, as :func:`paged.paged_attention`.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -253,6 +256,6 @@ def sharded_paged_attention(
             )
 
         args = tuple(reshard(x, s) for x, s in zip(args, specs, strict=True))
-    out, lse, mass_rows = run(*args)
+    out, lse, mass_rows = forward_only(fn, run, *args)
     # Sinks join once, after the merge (and take their share of the page mass).
     return finish(out, lse, mass_rows if want_mass else None, sinks, q.dtype)

@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from ringattn._blocks import window_table
-from ringattn._checks import FloatLike, IntLike, check_int, describe, fail
+from ringattn._checks import FloatLike, IntLike, check_int, describe, fail, fold_traced_scale
 from ringattn._heads_major import attention_backward, attention_delta, attention_forward
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
@@ -248,7 +248,7 @@ def blockwise_attention(
     causal: bool | np.bool_ | None = None,
     window: IntLike | tuple[IntLike | None, ...] | None = None,
     softcap: FloatLike | None = None,
-    scale: FloatLike | None = None,
+    scale: FloatLike | Float[Array, ""] | None = None,
     segment_ids: SegmentIds | None = None,
     positions: Positions | None = None,
     sinks: Float[Array, " N"] | None = None,
@@ -277,7 +277,12 @@ def blockwise_attention(
       window: hide keys at positions ``<= p - window`` (``>= 1``); a tuple gives one window
         per query head (``None``: that head has none).
       softcap: logits become ``softcap * tanh(logits / softcap)``.
-      scale: logit scale, default ``1 / sqrt(H)``.
+      scale: logit scale, default ``1 / sqrt(H)``. A float, or a float JAX scalar that
+        may be traced (a temperature trained with the model, under ``jit`` / ``grad``): it
+        then multiplies ``q`` (in ``q``'s dtype) and the kernel runs at scale 1, so the
+        logits are ``scale * q k^T`` up to rounding (softcap applies after, as always) and
+        ``jax.grad`` reaches ``scale``. Only this keyword takes one: a ``MaskSpec`` is
+        static.
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` of packed documents.
       positions: :class:`ringattn.Positions` ``(q [B, T], kv [B, S])``, default ``arange``.
         With ``T != S`` under a causal or window mask ``positions.q`` is required (where a
@@ -309,6 +314,12 @@ def blockwise_attention(
         keyword, or ``T != S`` under a causal or window mask without ``positions.q``.
       NotImplementedError: ``impl="pallas"`` with a DenseMask, on a backend other than
         CPU, GPU and TPU, or with block sizes the compiled kernel cannot take.
+      TypeError: forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize`` of
+        a function of the inputs) is not supported: the gradient is a ``jax.custom_vjp``, and
+        JAX raises ``can't apply forward-mode autodiff (jvp) to a custom_vjp function``.
+        Reverse mode (``jax.grad``, ``jax.vjp``, ``jax.jacrev``) is supported; for
+        forward-mode derivatives, use :func:`ringattn.attention_reference` (plain
+        ``jax.numpy``, differentiable both ways, quadratic memory).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -321,6 +332,7 @@ def blockwise_attention(
       Dao, "FlashAttention-2", 2023; Liu & Abbeel, "Blockwise Parallel Transformer", 2023.
     """
     fn = "blockwise_attention"
+    q, scale = fold_traced_scale(fn, q, scale)
     (B, T, S, N, K, H), spec, seg, pos = prepare(
         fn,
         q,

@@ -56,6 +56,23 @@ def check_static(fn: str, arg: str, value, what: str) -> None:
         )
 
 
+def fold_traced_scale(fn: str, q, scale):
+    """``(q, scale)`` with a traced ``scale`` (a temperature under ``jit`` / ``grad`` /
+    ``vmap``) folded into the queries: ``(q * scale).astype(q.dtype), 1.0``. The logits
+    ``(q * s) k^T`` are ``s (q k^T)`` up to rounding in ``q``'s dtype, and autodiff reaches
+    ``scale`` through the product. Any other ``scale`` (and a ``q`` that is no floating
+    array, which the shape checks reject) comes back as it was."""
+    if not isinstance(scale, jax.core.Tracer):
+        return q, scale
+    if scale.ndim != 0 or not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise fail(
+            fn, "scale", "a float scalar (a traced scale must have shape ())", describe(scale)
+        )
+    if not hasattr(q, "dtype") or not jnp.issubdtype(q.dtype, jnp.floating):
+        return q, scale
+    return (q * scale).astype(q.dtype), 1.0
+
+
 def check_int(fn: str, arg: str, value, *, minimum: int | None = None) -> int:
     """A Python or numpy integer (not ``bool``, not a float) ``>= minimum``, as a Python int."""
     what = "an int" if minimum is None else f"an int >= {minimum}"

@@ -6,16 +6,21 @@ through ``ppermute`` instead of the input dtype, and every block (the local one 
 dequantized to float32 right before its block computation. The result is exact attention over
 ``dequantize_hop(quantize_hop(k))``, ``dequantize_hop(quantize_hop(v))``.
 
-Formats (absmax over the head dim ``H`` of one token and kv head):
+Formats (absmax over the head dim ``H`` of one token and kv head; ``x`` in float32, each
+step a float32 operation rounded to nearest even, in this order; ``QMAX`` 127 or 448):
+``scale = absmax * float32(1 / QMAX)``, ``y = x * float32(1 / scale)`` (the reciprocal
+first, then the product; not ``x / scale``), then
 
-* ``"int8"``: ``scale = absmax / 127``, ``data = clip(round(x / scale), -127, 127)``: a hop
+* ``"int8"``: ``data = clip(round(y), -127, 127)``, round half to even, then the clip: a hop
   of ``H + 4`` bytes per token and kv head instead of ``4 H`` (float32) or ``2 H`` (bf16);
   error at most ``scale / 2 = absmax / 254`` per element.
-* ``"fp8"``: ``float8_e4m3fn`` with ``scale = absmax / 448`` (its largest finite value): the
-  same bytes, a relative error of at most ``2**-4`` per element (3 mantissa bits) above the
-  format's subnormal range.
+* ``"fp8"``: ``data = clip(y, -448, 448)`` cast to ``float8_e4m3fn`` (round to nearest even;
+  448 is its largest finite value): the same bytes, a relative error of at most ``2**-4``
+  per element (3 mantissa bits) above the format's subnormal range.
 
-An all-zero token gets ``scale = 0`` and dequantizes to exact zeros. A token whose row holds
+``tests/paged/test_codec_docs.py`` rewrites these words in numpy and checks the bits.
+An all-zero token, or one whose scale would be below ``2**-126`` (float32's smallest
+normal), gets ``scale = 0`` and data 0 and dequantizes to exact zeros. A token whose row holds
 NaN or inf gets a NaN scale and data 0, and dequantizes to NaN across its whole row (that
 token and kv head only), at any array size; a key no query may see still has no effect.
 
@@ -69,8 +74,10 @@ def quantize_hop(x: Float[Array, "*rows H"], *, hop_format: str) -> QuantizedHop
     Args:
       x: ``[..., H]`` floating keys or values, e.g. ``[B, S, K, H]``; each row of ``H`` values
         (one token, one kv head) gets its own scale.
-      hop_format: ``"int8"`` (``scale = absmax / 127``, round to nearest, clip to ``±127``) or
-        ``"fp8"`` (``float8_e4m3fn``, ``scale = absmax / 448``).
+      hop_format: ``"int8"`` (``scale = absmax * float32(1 / 127)``, ``x * float32(1 /
+        scale)`` rounded half to even, clipped to ``±127``) or ``"fp8"`` (``scale = absmax *
+        float32(1 / 448)``, ``x * float32(1 / scale)`` clipped to ``±448``, cast to
+        ``float8_e4m3fn``, round to nearest even). See the module docs.
 
     Returns:
       :class:`QuantizedHop` ``(data [..., H], scale [...] float32)``.
@@ -97,13 +104,16 @@ def quantize_rows(x, hop_format: str) -> QuantizedHop:
     """:func:`quantize_hop` on validated inputs (traceable, any floating dtype)."""
     dtype, top = _FORMATS[hop_format]
     x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) / top
+    scale = jnp.max(jnp.abs(x), axis=-1) * (np.float32(1.0) / np.float32(top))
     # A row holding NaN / inf gets a NaN scale, from a count of its non-finite values: XLA:CPU's
     # max reduction drops NaN in larger arrays, so the max alone cannot be trusted to carry it.
     bad = jnp.sum(~jnp.isfinite(x), axis=-1, dtype=jnp.int32) > 0
-    scale = jnp.where(bad, jnp.nan, scale)
+    # Below float32's smallest normal the scale is 0 on every backend (XLA:CPU flushes it).
+    scale = jnp.where(bad, jnp.nan, jnp.where(scale < 2.0**-126, 0.0, scale))
     safe = jnp.where(scale > 0, scale, 1.0)[..., None]
-    y = jnp.where(scale[..., None] > 0, x / safe, 0.0)  # 0 in a NaN row: its scale carries it
+    y = jnp.where(
+        scale[..., None] > 0, x * (1.0 / safe), 0.0
+    )  # 0 in a NaN row: its scale carries it
     if hop_format == "int8":
         y = jnp.round(y)
     y = jnp.clip(y, -top, top)  # NaN stays NaN (its scale is NaN too)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from ringattn._checks import FloatLike, IntLike
+from ringattn._checks import FloatLike, IntLike, fold_traced_scale
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import (
     MaskSpec,
@@ -30,7 +30,7 @@ def attention_reference(
     causal: bool | np.bool_ | None = None,
     window: IntLike | tuple[IntLike | None, ...] | None = None,
     softcap: FloatLike | None = None,
-    scale: FloatLike | None = None,
+    scale: FloatLike | Float[Array, ""] | None = None,
     segment_ids: SegmentIds | None = None,
     positions: Positions | None = None,
     sinks: Float[Array | np.ndarray, " N"] | None = None,
@@ -51,7 +51,12 @@ def attention_reference(
       causal: a query at position ``p`` sees keys at positions ``<= p``.
       window: hide keys at positions ``<= p - window``; a tuple: one per query head.
       softcap: logits become ``softcap * tanh(logits / softcap)``.
-      scale: logit scale, default ``1 / sqrt(H)``.
+      scale: logit scale, default ``1 / sqrt(H)``. A float, or a float JAX scalar that
+        may be traced (a temperature trained with the model, under ``jit`` / ``grad``): it
+        then multiplies ``q`` (in ``q``'s dtype) and the kernel runs at scale 1, so the
+        logits are ``scale * q k^T`` up to rounding (softcap applies after, as always) and
+        ``jax.grad`` reaches ``scale``. Only this keyword takes one: a ``MaskSpec`` is
+        static.
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])``.
       positions: :class:`ringattn.Positions` ``(q [B, T], kv [B, S])``, default ``arange``.
         With ``T != S`` under a causal or window mask ``positions.q`` is required (where a
@@ -77,6 +82,7 @@ def attention_reference(
     """
     fn = "attention_reference"
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    q, scale = fold_traced_scale(fn, q, scale)
     if sinks is not None:
         sinks = jnp.asarray(sinks)
     (B, T, S, N, K, H), spec, seg, pos = prepare(

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from ringattn._blockwise import BlockSizes, empty_attention, resolve_impl
-from ringattn._checks import FloatLike, IntLike, fail
+from ringattn._checks import FloatLike, IntLike, fail, fold_traced_scale
 from ringattn._hop_format import check_hop_format
 from ringattn._layout import LAYOUTS, check_layout_positions, to_layout
 from ringattn._online_softmax import AttentionOutput, apply_sinks
@@ -171,7 +171,7 @@ def sharded_attention(
     causal: bool | np.bool_ | None = None,
     window: IntLike | tuple[IntLike | None, ...] | None = None,
     softcap: FloatLike | None = None,
-    scale: FloatLike | None = None,
+    scale: FloatLike | Float[Array, ""] | None = None,
     segment_ids: SegmentIds | None = None,
     positions: Positions | None = None,
     sinks: Float[Array, " N"] | None = None,
@@ -222,7 +222,12 @@ def sharded_attention(
       window: sliding window (``>= 1``): hide keys at positions ``<= p - window``; a tuple
         gives one window per query head.
       softcap: logits become ``softcap * tanh(logits / softcap)``.
-      scale: logit scale, default ``1 / sqrt(H)``.
+      scale: logit scale, default ``1 / sqrt(H)``. A float, or a float JAX scalar that
+        may be traced (a temperature trained with the model, under ``jit`` / ``grad``): it
+        then multiplies ``q`` (in ``q``'s dtype) and the kernel runs at scale 1, so the
+        logits are ``scale * q k^T`` up to rounding (softcap applies after, as always) and
+        ``jax.grad`` reaches ``scale``. Only this keyword takes one: a ``MaskSpec`` is
+        static.
       segment_ids: :class:`ringattn.SegmentIds` ``(q [B, T], kv [B, S])`` in layout order.
       positions: :class:`ringattn.Positions` (global positions, in the order of the
         inputs). Required (both sides) for ``"zigzag"`` / ``"striped"`` under a causal or
@@ -282,6 +287,7 @@ def sharded_attention(
       "DeepSpeed Ulysses", 2023; Fang & Zhao, "USP: A Unified Sequence Parallelism Approach",
       2024; Llama 3 team, "The Llama 3 Herd of Models" (context parallelism), 2024.
     """
+    q, scale = fold_traced_scale(_FN, q, scale)
     (B, T, S, N, K, H), spec, seg, pos = prepare(
         _FN,
         q,

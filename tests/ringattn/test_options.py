@@ -68,7 +68,6 @@ def test_mask_spec_rejects_wrong_kinds(kwargs, match):
         (dict(window=3), "window", "window"),
         (dict(window=(None, 3)), r"window\[1\]", "window"),
         (dict(softcap=3.0), "softcap", "softcap"),
-        (dict(scale=0.5), "scale", "scale"),
     ],
 )
 def test_a_traced_option_says_it_is_traced_and_how_to_bind_it(kwargs, arg, name):

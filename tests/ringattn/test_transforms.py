@@ -220,3 +220,19 @@ def test_small_public_functions_under_jit():
     want = jax.nn.softmax(scores, axis=-1) @ values
     assert_close(out, want, dtype=jnp.float32)
     assert_close(lse, jax.nn.logsumexp(scores, axis=-1), dtype=jnp.float32)
+
+
+def test_forward_mode_through_blockwise_attention_is_the_documented_type_error():
+    """``blockwise_attention``'s gradient is a ``custom_vjp``: ``jax.jvp`` / ``jacfwd`` raise
+    the ``TypeError`` its docstring and the README quote; reverse mode works."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (1, 4, 2, 8)) for key in keys)
+    f = lambda q: blockwise_attention(q, k, v, causal=True).out
+    match = r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp function"
+    with pytest.raises(TypeError, match=match):
+        jax.jvp(f, (q,), (q,))
+    with pytest.raises(TypeError, match=match):
+        jax.jacfwd(f)(q)
+    g = jax.grad(lambda q: f(q).sum())(q)
+    want = jax.grad(lambda q: attention_reference(q, k, v, causal=True).out.sum())(q)
+    assert jnp.allclose(g, want, rtol=1e-5, atol=1e-6)
