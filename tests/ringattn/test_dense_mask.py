@@ -14,6 +14,7 @@ from ringattn import (
     BlockSizes,
     DenseMask,
     MaskSpec,
+    Positions,
     attention_reference,
     blockwise_attention,
     decode_attention_per_shard,
@@ -71,8 +72,13 @@ def test_random_masks_match_reference(T, S, density, with_causal, window, bq, bk
         dense = dense | DenseMask.causal(T, S)
     spec = MaskSpec(dense=dense, window=window)
     q, k, v = _qkv(T, S, seed)
-    fast = functools.partial(blockwise_attention, mask=spec, block_sizes=BlockSizes(bq, bk))
-    ref = functools.partial(attention_reference, mask=spec)
+    pos = None  # T != S under a window needs query positions: the queries at the first ones
+    if T != S and window is not None:
+        pos = Positions(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), q.shape[:2]), None)
+    fast = functools.partial(
+        blockwise_attention, mask=spec, block_sizes=BlockSizes(bq, bk), positions=pos
+    )
+    ref = functools.partial(attention_reference, mask=spec, positions=pos)
     got, want = fast(q, k, v), ref(q, k, v)
     assert_close(got.out, want.out, dtype=jnp.float32)
     np.testing.assert_array_equal(np.isneginf(got.lse), np.isneginf(want.lse))

@@ -52,6 +52,10 @@ def _options(B, T, S, opts):
             segments_from_cuts(B, T, segs[0]), segments_from_cuts(B, S, segs[1])
         )
     kw.update(opts)
+    if T != S and "positions" not in kw and (kw.get("causal") or kw.get("window") is not None):
+        # T != S under a causal or window mask needs query positions: the old default, the
+        # queries at the first positions.
+        kw["positions"] = Positions(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), None)
     return kw
 
 

@@ -20,6 +20,7 @@ import ringattn._blockwise as blockwise_module
 from ringattn import (
     BlockSizes,
     MaskSpec,
+    Positions,
     SegmentIds,
     attention_reference,
     blockwise_attention,
@@ -206,7 +207,8 @@ def test_fully_masked_rows_give_zeros_minus_inf_and_finite_gradients():
 def test_sinks():
     q, k, v = attention_inputs(2, 9, 13, 4, 2, 8, jnp.float32)
     sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
-    kw = dict(causal=True, window=4, sinks=sinks)
+    pos = Positions(jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9)), None)  # T != S
+    kw = dict(causal=True, window=4, sinks=sinks, positions=pos)
     fast = functools.partial(blockwise_attention, block_sizes=BLOCKS, impl="pallas", **kw)
     out, lse = jax.jit(fast)(q, k, v)
     want, want_lse = attention_reference(q, k, v, **kw)

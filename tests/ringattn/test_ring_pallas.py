@@ -164,9 +164,11 @@ def _sharded(mesh, n, strategy, seq_axis, layout, kw, impl, **axes):
     mask_kw = {key: val for key, val in kw.items() if key not in ids}
 
     def attend(q, k, v):
-        if "positions" not in ids and _needs_positions(layout, mask_kw):
-            natural = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
-            ids["positions"] = Positions(to(natural), to(natural))  # permuted with the data
+        given = dict(ids)  # never stored across traces
+        if "positions" not in given and _needs_positions(layout, mask_kw):
+            with jax.ensure_compile_time_eval():  # concrete: the ring prunes hops from them
+                natural = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+                given["positions"] = Positions(to(natural), to(natural))  # permuted like q
         out, lse = sharded_attention(
             to(q),
             to(k),
@@ -179,7 +181,7 @@ def _sharded(mesh, n, strategy, seq_axis, layout, kw, impl, **axes):
             impl=impl,
             **axes,
             **mask_kw,
-            **ids,
+            **given,
         )
         return AttentionOutput(back(out), back(lse))
 
