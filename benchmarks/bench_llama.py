@@ -99,8 +99,8 @@ def jax_decode(model, batch: int, context: int, kv_format=None):
             for layer, block in enumerate(m.blocks):
                 q, k, v = block.attn.project(block.attn_norm(x), pos)
                 cache = paged.write_layer(cache, layer, k, v, pos[:, 0])
-                o = paged.paged_attention(q, cache.k_pages, cache.v_pages, cache.page_table,
-                                          cache.lengths + 1, layer=layer).out  # fmt: skip
+                o = paged.paged_attention(q, cache.k_pages[layer], cache.v_pages[layer],
+                                          cache.page_table, cache.lengths + 1).out  # fmt: skip
                 x = x + block.attn.output(o)
                 x = x + block.mlp(block.mlp_norm(x))
             nxt = jnp.argmax(m.logits(x)[:, -1], axis=-1).astype(jnp.int32)

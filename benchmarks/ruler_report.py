@@ -83,17 +83,21 @@ def figure(rows: list[dict], path: pathlib.Path, ratio: float = 0.75) -> None:
     tasks = sorted({r["task"] for r in base})
     full = {r["task"]: r["score"] for r in base if r["press"] == "none"}
     curves = collections.defaultdict(lambda: collections.defaultdict(list))
+    # A point averages the same tasks at every ratio: only ratios every task of the run has.
+    ratios = {t: {r["ratio"] for r in base if r["task"] == t and r["press"] != "none"} for t in tasks}  # fmt: skip
+    common = set.intersection(*ratios.values()) if ratios else set()
     for r in base:
-        if r["press"] != "none":
+        if r["press"] != "none" and r["ratio"] in common:
             curves[r["press"]][r["ratio"]].append(r["score"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     if full:
-        a.axhline(100 * np.mean(list(full.values())), color="k", ls="--", label="full KV")
+        a.axhline(100 * np.mean(list(full.values())), color="k", ls="--", label=f"full KV ({len(full)} tasks)")  # fmt: skip
     for press, pts in sorted(curves.items()):
         xs = sorted(pts)
-        a.plot(xs, [100 * np.mean(pts[x]) for x in xs], marker="o", label=press)
+        label = f"{press} ({len(pts[xs[0]])} tasks)"
+        a.plot(xs, [100 * np.mean(pts[x]) for x in xs], marker="o", label=label)
     a.set_xlabel("ratio of the context's KV removed")
-    a.set_ylabel("score (%), mean over tasks")
+    a.set_ylabel("score (%), mean over the tasks each press ran")
     a.set_title("SmolLM2-135M, RULER-style tasks, question-agnostic")
     a.legend(fontsize=8)
     presses = sorted(curves)

@@ -129,8 +129,8 @@ def _prefill_chunk(graphdef, state, cache, tokens, start, per_query: bool, n):
 
     def attend(q, cache, layer):
         res = paged.ragged_paged_attention(
-            q[0], cache.k_pages, cache.v_pages, table, lengths, cu, num,
-            return_page_mass=True, layer=layer,
+            q[0], cache.k_pages[layer], cache.v_pages[layer], table, lengths, cu, num,
+            return_page_mass=True,
         )  # fmt: skip
         valid = (jnp.arange(T) < n)[:, None, None]
         mass = jnp.where(valid, res.page_mass, 0.0) if per_query else res.page_mass[0]
@@ -279,11 +279,8 @@ def _answer(graphdef, state, cache, tables, forced, n_forced, start, cold, max_n
                 ]  # fmt: skip
                 return jnp.concatenate(outs, axis=2), None
             table = tables[layer, 0]
-            if cold is None:  # the layer read in place from the stacked pools
-                res = paged.paged_attention(
-                    q, cache.k_pages, cache.v_pages, table, lengths, q_positions=q_positions,
-                    layer=layer,
-                )  # fmt: skip
+            if cold is None:
+                res = paged.paged_attention(q, k, v, table, lengths, q_positions=q_positions)
             else:
                 res = offload.mixed_residency_attention(
                     q, k, v, table, lengths, cold_table=cold[0], cold_k_pages=cold[1][layer],

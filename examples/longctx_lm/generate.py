@@ -113,10 +113,10 @@ def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start, n, per_qu
             res = paged.ragged_paged_attention(
                 flat, k, v, table, lengths, cu, num_seqs, return_page_mass=True
             )
-        else:  # the layer read in place from the stacked pools (no copy of the layer)
+        else:
             res = paged.ragged_paged_attention(
-                flat, cache.k_pages, cache.v_pages, table, lengths, cu, num_seqs,
-                return_page_mass=True, layer=layer,
+                flat, cache.k_pages[layer], cache.v_pages[layer], table, lengths, cu, num_seqs,
+                return_page_mass=True,
             )  # fmt: skip
         out = jnp.where(valid[:, None, None], res.out[inverse], 0).reshape(q.shape)
         mass = res.page_mass
@@ -147,9 +147,9 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold
 
     def attend(q, cache, layer, table):
         # The new token is already written at position lengths: attend over lengths + 1 keys.
-        if cold is None:  # the layer read in place from the stacked pools
+        if cold is None:
             out = paged.paged_attention(
-                q, cache.k_pages, cache.v_pages, table, cache.lengths + 1, layer=layer
+                q, cache.k_pages[layer], cache.v_pages[layer], table, cache.lengths + 1
             ).out
             return out, None
         k, v = cache.k_pages[layer], cache.v_pages[layer]
