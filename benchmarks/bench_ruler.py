@@ -23,7 +23,8 @@ question arrives, the question is then read over what is left; ``aware``: contex
 question are prefilled together and compressed at the end (the window is the question).
 ``--residency demote`` copies the removed pages to pinned host memory and fetches them back
 (exact: the score equals full KV, and the bytes moved are reported). ``--kv-format`` stores
-the pages as int8 / fp8 / int4 / kivi2 (kivi2 with a 128-token full-precision window).
+the pages as int8 / fp8 / int4 / kivi2 (kivi2 with a 128-token full-precision window; its
+removed pages are masked out of the tables, not freed: ``device_bytes`` stays the full pool's).
 
 Tasks (``--task``): ``niah_single``, ``niah_multikey``, ``niah_multivalue``,
 ``niah_multiquery``, ``variable_tracking``, ``common_words`` (:mod:`benchmarks._ruler`).

@@ -128,8 +128,11 @@ def _prefill_chunk(graphdef, state, cache, tokens, start, per_query: bool, n):
         cu, num = jnp.stack([0, n]).astype(jnp.int32), 1
 
     def attend(q, cache, layer):
+        k, v = cache.k_pages[layer], cache.v_pages[layer]
+        if per_query:  # kivi2: each query's row reads the sequence's full-precision window
+            k, v = _repeat_rows(k, T), _repeat_rows(v, T)
         res = paged.ragged_paged_attention(
-            q[0], cache.k_pages[layer], cache.v_pages[layer], table, lengths, cu, num,
+            q[0], k, v, table, lengths, cu, num,
             return_page_mass=True,
         )  # fmt: skip
         valid = (jnp.arange(T) < n)[:, None, None]
@@ -138,6 +141,16 @@ def _prefill_chunk(graphdef, state, cache, tokens, start, per_query: bool, n):
 
     _, cache, mass = _forward(model, cache, tokens, positions, attend, count=n[None])
     return cache, mass
+
+
+def _repeat_rows(pool, rows: int):
+    """A layer's pool with kivi2's per-sequence window (``residual [K, 1, W * C, H]``,
+    ``residual_len [K, 1]``) repeated for ``rows`` rows reading the one sequence: each row's
+    length masks what lies past it. Other pools are returned as they are."""
+    if not isinstance(pool, paged.QuantizedPages) or pool.residual is None:
+        return pool
+    return dataclasses.replace(pool, residual=jnp.repeat(pool.residual, rows, axis=-3),
+                               residual_len=jnp.repeat(pool.residual_len, rows, axis=-1))  # fmt: skip
 
 
 def prefill(model: Llama, ids: Sequence[int], *, capacity: int, page_size: int = 16,
@@ -347,6 +360,8 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
 
     ``mode="drop"``: the other prompt pages are freed: the kept pages and the pages the
     answer writes are gathered into a smaller pool (the device bytes of :class:`Answer`).
+    kivi2 pages (a full-precision window per row beside the pool) are masked out of the
+    tables instead, not freed: the device bytes stay those of the full pool.
     ``mode="demote"``: the other pages are copied to pinned host memory with an
     ``offload.OffloadManager`` and fetched back into a cold pool that the attention reads
     (``offload.mixed_residency_attention``): exact, at the bytes moved. The page holding the
@@ -417,7 +432,16 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
             tables[l, h, slots] = np.arange(n_common + 1, n_common + 1 + slots.size)
             ids[l, h, n_common + 1 : n_common + 1 + slots.size] = slots + 1
     write_table = np.where(common, tables[0, 0], 0)[None]
-    if (keep | common).all() and cold is None:  # nothing to free
+    kivi2 = isinstance(cache.k_pages, paged.QuantizedPages) and cache.k_pages.format.kind == "kivi2"
+    if kivi2 and not (keep | common).all():
+        # kivi2 keeps a full-precision window per row beside its pages, so its pool is not
+        # compacted here: the removed pages are masked out of every table (the attention
+        # reads exactly the kept ones) but their bytes stay on the device.
+        if mode == "demote" or per_head:
+            raise NotImplementedError("answer: kivi2 pages with mode='demote' or a per-head selection")  # fmt: skip
+        k_pages, v_pages, write_table = cache.k_pages, cache.v_pages, cache.page_table
+        tables = np.where(keep | common, np.arange(1, M + 1), 0).astype(np.int32)
+    elif (keep | common).all() and cold is None:  # nothing to free
         k_pages, v_pages, tables = cache.k_pages, cache.v_pages, np.broadcast_to(cache.page_table, (L, K, M))  # fmt: skip
         write_table = cache.page_table
     elif uniform:

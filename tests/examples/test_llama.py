@@ -7,6 +7,7 @@ The slow ones run every attention path on the real model and, where torch and tr
 are installed, recompute the reference live.
 """
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -525,3 +526,34 @@ def test_adaptive_presses_budgets_and_answers_against_masked_dense(pressed, kind
     # The oracle can tell selections apart: keeping every page gives other tokens here.
     full = masked_dense_greedy(model, ctx, question, 4, np.ones_like(keep), 8)
     assert not np.array_equal(got.tokens, full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", [128, 16])
+def test_press_drop_on_kivi2_pages_masks_exactly_the_removed_pages(pressed, residual):
+    import paged
+    from examples.llama import press
+
+    model, _, _, question, _, ctx = pressed
+    fmt = paged.KVFormat("kivi2", residual=residual)
+    pre = press.prefill(model, ctx, capacity=128, page_size=8, window=4, chunk=16, kv_format=fmt)
+    keep = np.zeros(16, bool)
+    keep[[2, 5]] = True  # this tiny model answers otherwise without page 0
+    got = press.answer(model, pre, keep, question, 4, bucket=8)
+    assert got.device_bytes == got.full_bytes  # kivi2 pages are masked, not freed
+    full = press.answer(model, pre, None, question, 4, bucket=8)
+    if residual == 128:  # every token still in the full-precision window: the float oracle
+        want = masked_dense_greedy(model, ctx, question, 4, np.broadcast_to(keep, (TINY.num_layers, TINY.num_kv_heads, 16)), 8)  # fmt: skip
+        np.testing.assert_array_equal(got.tokens, want)
+        assert not np.array_equal(got.tokens, full.tokens)  # the mask took effect
+    # NaN scales in the removed stored pages change nothing; in a kept page they do.
+    def scrub(pages):
+        k = pre.cache.k_pages
+        k = dataclasses.replace(k, scale=k.scale.at[:, :, pages].set(jnp.nan))
+        return pre._replace(cache=pre.cache._replace(k_pages=k))
+
+    np.testing.assert_array_equal(press.answer(model, scrub([1, 2, 4, 5]), keep, question, 4, bucket=8).tokens, got.tokens)  # fmt: skip
+    if residual == 16:  # slot 2 lies below the window: read from its stored page
+        assert not np.array_equal(press.answer(model, scrub([3]), keep, question, 4, bucket=8).tokens, got.tokens)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="kivi2"):
+        press.answer(model, pre, keep, question, 4, bucket=8, mode="demote")
