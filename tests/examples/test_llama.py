@@ -546,6 +546,7 @@ def test_press_drop_on_kivi2_pages_masks_exactly_the_removed_pages(pressed, resi
         want = masked_dense_greedy(model, ctx, question, 4, np.broadcast_to(keep, (TINY.num_layers, TINY.num_kv_heads, 16)), 8)  # fmt: skip
         np.testing.assert_array_equal(got.tokens, want)
         assert not np.array_equal(got.tokens, full.tokens)  # the mask took effect
+
     # NaN scales in the removed stored pages change nothing; in a kept page they do.
     def scrub(pages):
         k = pre.cache.k_pages
