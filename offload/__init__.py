@@ -1,4 +1,4 @@
-"""KV offload tiers and retention policies over pages (see README).
+"""KV offload tiers and retention policies over pages (docs: concepts/offload.md).
 
 Shape legend (as in ``ringattn`` and ``paged``):
 
