@@ -67,7 +67,10 @@ nitpicky = True
 # Types of other libraries (no intersphinx: the build downloads nothing).
 nitpick_ignore_regex = [
     (r"py:.*", r"(jax|jaxlib|numpy|np|jnp|jaxtyping|ml_dtypes|flax|optax)(\..*)?"),
-    (r"py:.*", r"(os|typing|collections|collections\.abc|enum|dataclasses|pathlib|threading|types)\..*"),
+    (
+        r"py:.*",
+        r"(os|typing|collections|collections\.abc|enum|dataclasses|pathlib|threading|types)\..*",
+    ),
     (r"py:class", r"(Array|ArrayLike|DTypeLike|PyTree|Sharding|Mesh|NamedSharding|ndarray)"),
     (r"py:class", r".*'.*"),  # jaxtyping shape strings inside annotations ("B T N H")
     (r"py:.*", r"(ringattn|paged|offload)(\..*)?\._.*"),  # private modules: not documented
@@ -128,6 +131,11 @@ def setup(app):
     app.connect("autodoc-skip-member", _skip_namedtuple_aliases)
     app.connect("missing-reference", _resolve_unqualified)
 
+
 html_theme = "furo"
 html_title = "jax-longctx"
-html_theme_options = {"source_repository": REPO, "source_branch": "main", "source_directory": "docs/"}
+html_theme_options = {
+    "source_repository": REPO,
+    "source_branch": "main",
+    "source_directory": "docs/",
+}
