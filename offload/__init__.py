@@ -155,7 +155,7 @@ def __getattr__(name: str):
         sub = _MOVED[name]
         raise AttributeError(
             f"offload.{name} moved to offload.{sub}.{name}: "
-            f"use `from offload.{sub} import {name}` (see the README's migration table)"
+            f"use `from offload.{sub} import {name}` (see the migration table in CHANGELOG.md)"
         )
     if name in ("planning", "monitoring"):
         raise AttributeError(
