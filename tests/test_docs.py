@@ -110,3 +110,23 @@ def test_the_article_is_named_by_its_title_not_as_the_seed():
         if _SEED.search(line)
     ]
     assert not hits, "call the article by its title:\n" + "\n".join(hits)
+
+
+_REPO_LINK = re.compile(r"https://github\.com/jax-longctx/jax-longctx/blob/main/([^)\s#]+)")
+
+
+def test_links_to_files_of_the_repository_resolve():
+    """Relative links in the README, the changelog and the history file, and the docs' links
+    to files of the repository (benchmark results, examples), name files that exist."""
+    broken = []
+    for f in (ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks/results/history.md"):
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", f.read_text()):
+            if not target.startswith("http") and not (f.parent / target).exists():
+                broken.append(f"{f.relative_to(ROOT)}: {target}")
+    for f in DOCS.rglob("*.md"):
+        if "_build" in f.parts:
+            continue
+        for target in _REPO_LINK.findall(f.read_text()):
+            if not (ROOT / target).exists():
+                broken.append(f"{f.relative_to(ROOT)}: {target}")
+    assert not broken, "links to missing files:\n" + "\n".join(broken)
