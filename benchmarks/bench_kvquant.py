@@ -9,7 +9,8 @@ chooses) is compared with float32 and bfloat16 pools, through the public API onl
 1. **Bytes per token** (keys + values, scales included), measured: the ``nbytes`` of the two
    pools of a small cache built with each format, divided by its token slots, layers and kv
    heads (at the page size used everywhere here, ``C = 16``), next to the format's own
-   ``2 * KVFormat.bytes_per_token(H)``. Scaled to the seed's worked example, Llama-3-70B (80
+   ``2 * KVFormat.bytes_per_token(H)``. Scaled to the worked example of the article
+   (``offload.planning.ARTICLE``), Llama-3-70B (80
    layers, 64 query heads, 8 kv heads, ``H = 128``) at 256K tokens (GiB per sequence; also the
    article's variant that counts all 64 heads as kv heads) and to the example model of
    ``examples/longctx_lm`` (config of the committed checkpoint). Targets (issue 11, against

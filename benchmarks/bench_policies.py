@@ -190,13 +190,15 @@ def format_table(name, rows, policies):
 
 
 def verdict(results):
-    """Relates the numbers to the seed article's claim (20% heavy hitters keep 95%+)."""
+    """Relates the numbers to the article's claim (``offload.planning.ARTICLE``): 20% heavy
+    hitters keep 95%+."""
     lines = [
         "### The 20% / 95% claim",
         "",
-        "The seed article says keeping the top 20% heavy-hitter blocks on the device preserves "
-        "95%+ of the attention quality. Measured here as attention mass kept by H2O at a 20% "
-        "page budget (oracle = the best any selection of that size can do for this query):",
+        "The article (The engineering truth of long-context inference, 2026) says keeping "
+        "the top 20% heavy-hitter blocks on the device preserves 95%+ of the attention quality. "
+        "Measured here as attention mass kept by H2O at a 20% page budget (oracle = the best "
+        "any selection of that size can do for this query):",
         "",
     ]
     for name, rows in results.items():

@@ -1,4 +1,4 @@
-"""KV offload tiers and retention policies over pages (see README).
+"""KV offload tiers and retention policies over pages (docs: concepts/offload.md).
 
 Shape legend (as in ``ringattn`` and ``paged``):
 
@@ -155,7 +155,7 @@ def __getattr__(name: str):
         sub = _MOVED[name]
         raise AttributeError(
             f"offload.{name} moved to offload.{sub}.{name}: "
-            f"use `from offload.{sub} import {name}` (see the README's migration table)"
+            f"use `from offload.{sub} import {name}` (see the migration table in CHANGELOG.md)"
         )
     if name in ("planning", "monitoring"):
         raise AttributeError(

@@ -131,7 +131,7 @@ class OffloadManager:
         v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
         num_pages: int | np.integer,
     ) -> int:
-        """Sets the device tier of :attr:`stats` to ``num_pages`` pages of this device pool.
+        """Sets the device tier of ``stats`` to ``num_pages`` pages of this device pool.
 
         The bytes are measured from the pool's arrays (:func:`~offload.page_nbytes`), never
         entered by hand; pass the pages the allocator holds, e.g.

@@ -1,4 +1,4 @@
-"""KV storage and attention over pages (see README).
+"""KV storage and attention over pages (docs: concepts/paged.md).
 
 Shape legend (shared with ``ringattn``):
 

@@ -167,7 +167,7 @@ AUTO_PALLAS_BACKENDS: frozenset[str] = frozenset()
 def resolve_impl(fn: str, impl, backend: str) -> str:
     """``"xla"`` or ``"pallas"`` for ``impl`` on ``backend`` (``jax.default_backend()``).
 
-    ``"auto"`` is Pallas on :data:`AUTO_PALLAS_BACKENDS` (none yet) and XLA elsewhere.
+    ``"auto"`` is Pallas on ``AUTO_PALLAS_BACKENDS`` (none yet) and XLA elsewhere.
     ``"pallas"`` runs the Triton kernels on GPU, the Mosaic kernels on TPU and the Triton
     kernels in interpret mode on CPU; on any other backend it raises NotImplementedError.
 

@@ -4,7 +4,8 @@
 the same thing (the same training-step loss and gradient norm; the same greedy tokens). These
 tests run those checks on a tiny model so a broken benchmark path shows up in CI.
 ``bench_kvquant``'s tables are checked for internal consistency (measured bytes against the
-formats' formulas and the README's numbers, the documented error bounds, error ordered by bits).
+formats' formulas and the docs' quantized-KV numbers, the documented error bounds, error
+ordered by bits).
 ``bench_gaps``'s tables are built from real tiny-size measurements and checked for structure
 (one row per gap and per doubling, positive finite ratios), and its port of the Ring Attention
 paper's code is checked against the reference.
@@ -97,7 +98,7 @@ def _kvquant_cases():
     ]
 
 
-def test_bench_kvquant_bytes_match_the_formula_and_the_readme():
+def test_bench_kvquant_bytes_match_the_formula_and_the_docs():
     bk = bench_kvquant
     names, skipped = bk.available_kinds()
     assert {"int8", "fp8"} <= set(names) and set(names) | set(skipped) == set(bk.KINDS)
@@ -112,10 +113,10 @@ def test_bench_kvquant_bytes_match_the_formula_and_the_readme():
         assert rows["bf16"]["per_token"] == 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
         assert rows["float32"]["vs_bf16"] == 2.0
     llama = bk.bytes_rows(["int8"], bk.LLAMA_70B, bk.LLAMA_TOKENS)
-    # README "Quantized KV": 168,960 bytes per token, 41.25 / 80 / 160 GiB at 256K.
+    # docs/concepts/quantized.md: 168,960 bytes per token, 41.25 / 80 / 160 GiB at 256K.
     assert llama["int8"]["per_token"] == 168_960
     assert [llama[n]["sequence"] / bk.GiB for n in ("int8", "bf16", "float32")] == [41.25, 80, 160]
-    article = bk.bytes_rows([], bk.LLAMA_70B_MHA, bk.LLAMA_TOKENS)  # the seed's 640 GB
+    article = bk.bytes_rows([], bk.LLAMA_70B_MHA, bk.LLAMA_TOKENS)  # the article's 640 GB
     assert article["bf16"]["sequence"] == 640 * bk.GiB
     assert bk.target_cell("int8", llama["int8"]["vs_bf16"]) == "<= 0.53x: met"
     assert "missed" in bk.target_cell("int8", 0.6) and bk.target_cell("fp8", 0.5) == "-"

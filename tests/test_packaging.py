@@ -1,5 +1,6 @@
 """Project hygiene: lint, the dependency direction, nothing heavy at import time, nothing
-machine-specific or oversized committed, and the README's code in sync with what runs."""
+machine-specific or oversized committed, and the code of the README and the docs in sync
+with what runs."""
 
 import ast
 import os
@@ -17,6 +18,7 @@ PACKAGES = ("ringattn", "paged", "offload")  # each may import only those before
 CONSUMERS = ("notebooks", "benchmarks", "examples")  # public names only, no sys.path hacks
 MAX_FILE_BYTES = 10 * 2**20
 MULTIHOST_EXAMPLE = ROOT / "examples" / "multihost" / "ring_two_process.py"
+MULTIHOST_DOC = ROOT / "docs" / "concepts" / "multihost.md"
 
 
 def _imports(path):
@@ -147,7 +149,7 @@ def test_no_committed_file_over_10_mib():
 # what users read and run (docs, notebooks, benchmarks, examples, packaging, CI).
 _MACHINE_PATH = re.compile(r"(?<![\w.~])(/work/|/root/|/home/\w|/Users/\w|[A-Z]:\\Users\\)")
 _TMP_PATH = re.compile(r"(?<![\w.~])/tmp/")
-_USER_FACING = (*CONSUMERS, "README.md", "pyproject.toml", ".ci")
+_USER_FACING = (*CONSUMERS, "README.md", "CHANGELOG.md", "docs", "pyproject.toml", ".ci")
 
 
 def test_no_machine_specific_paths():
@@ -170,15 +172,16 @@ def test_no_machine_specific_paths():
 
 def _core(path):
     text = path.read_text()
-    start = text.index("# --- core (README.md shows this part verbatim) ---\n")
+    start = text.index("# --- core (docs/concepts/multihost.md shows this part verbatim) ---\n")
     end = text.index("# --- end core ---")
     return text[start:end].split("\n", 1)[1].strip()
 
 
-def test_readme_multihost_snippet_is_the_example():
-    readme = (ROOT / "README.md").read_text()
-    assert _core(MULTIHOST_EXAMPLE) in readme, (
-        f"README.md must show the core of {MULTIHOST_EXAMPLE.relative_to(ROOT)} verbatim"
+def test_docs_multihost_snippet_is_the_example():
+    page = MULTIHOST_DOC.read_text()
+    assert _core(MULTIHOST_EXAMPLE) in page, (
+        f"{MULTIHOST_DOC.relative_to(ROOT)} must show the core of "
+        f"{MULTIHOST_EXAMPLE.relative_to(ROOT)} verbatim"
     )
 
 

@@ -19,7 +19,7 @@ The global inputs are built in every process here for brevity; a real loader sup
 slices ``index`` that the callback asks for.
 """
 
-# --- core (README.md shows this part verbatim) ---
+# --- core (docs/concepts/multihost.md shows this part verbatim) ---
 import sys
 from functools import partial
 

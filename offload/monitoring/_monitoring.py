@@ -1,4 +1,4 @@
-"""Production metrics and alerts from the allocator and offload counters (the seed's rules 9-12).
+"""Production metrics and alerts from the allocator and offload counters (the article's rules 9-12).
 
 :func:`compute_metrics` turns a :class:`paged.AllocatorStats` and an
 :class:`offload.OffloadSnapshot` (optionally with the previous pair and the wall time between
@@ -7,10 +7,11 @@ them) into a flat ``{sample: value}`` dict and the :class:`Alert` s that fire un
 (``'longctx_offload_transfer_bytes_total{direction="host_to_disk"}'``), so
 :func:`offload.monitoring.to_prometheus` can print them as a scrape page; the dict itself is JSON-ready.
 
-What maps to what in the seed article:
+What maps to what in the article ("The engineering truth of long-context inference, 2026",
+``offload.planning.ARTICLE``):
 
 ========================  ==============================================  ==================
-alert                     value                                           seed
+alert                     value                                           article
 ========================  ==============================================  ==================
 ``prefix_hit_rate_low``   prefix-cache hit rate (over the window if any)  rule 9, incident A
 ``page_table_bytes_high`` page-table bytes of the longest live sequence   rule 10
@@ -120,7 +121,7 @@ class Alert:
       name: e.g. ``"prefix_hit_rate_low"`` (see the module docstring's table).
       value: the measured value.
       threshold: the configured limit it crossed.
-      rule: the seed article's rule / incident it implements, e.g. ``"rule 9, incident A"``.
+      rule: the article's rule / incident it implements, e.g. ``"rule 9, incident A"``.
       message: a sentence for a human on call.
     """
 

@@ -1,7 +1,8 @@
 """Prompt hygiene for prefix caching: find the spans that make prompts stop sharing pages.
 
-The seed's incident A: a base64 blob entered a prompt template early, every prompt became
-unique from that point on, and the prefix-cache hit rate fell from 78% to 12%. The symptom is
+Incident A of the article "The engineering truth of long-context inference, 2026"
+(``offload.planning.ARTICLE``): a base64 blob entered a prompt template early, every prompt
+became unique from that point on, and the prefix-cache hit rate fell from 78% to 12%. The symptom is
 in the metrics (``prefix_hit_rate_low``); the cause is in the token ids, and
 :func:`find_high_cardinality_spans` finds it from a batch of prompts alone:
 

@@ -72,7 +72,8 @@ def test_mask_spec_rejects_wrong_kinds(kwargs, match):
 )
 def test_a_traced_option_says_it_is_traced_and_how_to_bind_it(kwargs, arg, name):
     """``jax.jit(f)(q, k, v, causal=True)`` traces the option: the error says so and names
-    both ways to bind it (the README promises this message). Bound, the same call runs."""
+    both ways to bind it (the docs' semantics page promises this message). Bound, the same
+    call runs."""
     q = jnp.ones((1, 4, 2, 8))
     with pytest.raises(
         ValueError,

@@ -311,7 +311,7 @@ def test_vmap_over_a_leading_axis_and_sinks():
 def test_under_checkpoint_forward_and_gradients():
     # jax.checkpoint (remat) around the kernels: the backward recomputes the forward kernel
     # from the saved inputs. (The TPU interpret mode is not remat-able: its callbacks are
-    # effects, which checkpoint refuses; see the README's accelerator section.)
+    # effects, which checkpoint refuses; see docs/concepts/kernels.md.)
     q, k, v = attention_inputs(2, 10, 13, 4, 2, 8, jnp.float32, seed=7)
     kw = dict(causal=True, positions=Positions(jnp.broadcast_to(jnp.arange(3, 13), (2, 10)), None))
     fast = functools.partial(blockwise_attention, block_sizes=BLOCKS, impl="pallas", **kw)

@@ -224,7 +224,7 @@ def test_small_public_functions_under_jit():
 
 def test_forward_mode_through_blockwise_attention_is_the_documented_type_error():
     """``blockwise_attention``'s gradient is a ``custom_vjp``: ``jax.jvp`` / ``jacfwd`` raise
-    the ``TypeError`` its docstring and the README quote; reverse mode works."""
+    the ``TypeError`` its docstring and docs/concepts/semantics.md quote; reverse mode works."""
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (1, 4, 2, 8)) for key in keys)
     f = lambda q: blockwise_attention(q, k, v, causal=True).out

@@ -1,4 +1,4 @@
-"""offload.planning.plan: the seed article's decision procedure, checked against independent arithmetic,
+"""offload.planning.plan: the article's decision procedure, checked against independent arithmetic,
 numpy, the library's real page pools and this repo's measured results (benchmarks/results)."""
 
 import dataclasses
