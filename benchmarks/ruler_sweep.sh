@@ -4,7 +4,7 @@
 # `python -m benchmarks.ruler_report`. Each run prefills a sample once and applies every press
 # x ratio to the cached KV. Run it alone in the background (about 90 minutes on 2 cores):
 #
-#     nohup bash benchmarks/ruler_sweep.sh > /tmp/ruler_sweep.log 2>&1 &
+#     nohup bash benchmarks/ruler_sweep.sh > ruler_sweep.log 2>&1 &
 #
 # SAMPLES (default 2) and LENGTH (default 4096) may be set in the environment; OUT is the file.
 set -euo pipefail
