@@ -36,6 +36,8 @@ ci95, and the memory and times)::
     python -m benchmarks.bench_ruler --task niah_single --press snapkv --ratio 0.5 \\
         --length 4096 --samples 8 --seed 0
 
+``--quick`` is the same at 256 tokens on one sample (a smoke run of about a minute; a slow
+test). The committed sweep is ``benchmarks/ruler_sweep.sh`` (a queue of these commands).
 Sweeps print one JSON line per (press, ratio), prefilling each sample once;
 ``--out FILE.jsonl`` appends them to a file as well.
 """
@@ -110,7 +112,11 @@ def parse(argv):
     p.add_argument("--window", type=int, default=32, help="observed queries at the end of prefill")  # fmt: skip
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--quick", action="store_true",
+                   help="a minute's smoke run: --length 256 --samples 1 (the slow test's form)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.quick:
+        args.length, args.samples = 256, 1
     from benchmarks import _ruler
 
     if args.task not in _ruler.TASKS:

@@ -489,12 +489,13 @@ def test_smollm2_every_path_gives_the_64_reference_tokens(reference, smollm2):
 def test_bench_ruler_command_prints_one_json_line(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_ruler", "--task", "niah_single", "--press",
-         "none,snapkv", "--ratio", "0.5", "--length", "256", "--samples", "1", "--seed", "3"],
+         "none,snapkv", "--ratio", "0.5", "--quick", "--seed", "3"],
         capture_output=True, text=True, check=True, cwd=pathlib.Path(__file__).parents[2],
     )  # fmt: skip
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert {"task", "length", "press", "ratio", "samples", "score"} <= set(result)
     assert result["press"] == "snapkv" and result["ratio"] == 0.5 and 0 <= result["score"] <= 1
+    assert result["length"] == 256 and result["samples"] == 1  # --quick
     assert result["device_bytes"] < result["full_bytes"]
 
 
