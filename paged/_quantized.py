@@ -73,7 +73,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from paged import _kivi
+from paged import _kivi_codec
 
 __all__ = [
     "KVFormat",
@@ -95,7 +95,7 @@ def _absmax_scale(x, qmax, axis=-1):
     vector holds NaN / inf) and whether the vector stores non-zero levels. The NaN comes from
     a count of non-finite values: XLA:CPU's max reduction drops NaN in larger arrays."""
     absmax = jnp.max(jnp.abs(x), axis=axis)
-    finite = ~_kivi.nonfinite(x, axis) & jnp.isfinite(absmax)
+    finite = ~_kivi_codec.nonfinite(x, axis) & jnp.isfinite(absmax)
     # The documented rule, spelled as it runs: XLA rewrites a division by a constant into a
     # multiplication by its float32 reciprocal, so say so here.
     scale = jnp.where(finite, absmax * reciprocal(qmax), jnp.nan)
@@ -469,7 +469,7 @@ jax.tree_util.register_dataclass(
 def decode_pages(pool: "QuantizedPages"):
     """All stored values of ``pool`` decoded to float32 ``[..., C, H]``."""
     if pool.format.kind == "kivi2":
-        return _kivi.decode(pool.data, pool.scale, pool.zero, pool.grouping)
+        return _kivi_codec.decode(pool.data, pool.scale, pool.zero, pool.grouping)
     return dequantize_block(pool.data, pool.scale, pool.format)
 
 
@@ -539,7 +539,7 @@ def quantize_pages(
         if x.ndim < 3:
             raise ValueError(f"{fn}: x: kivi2 needs [..., P, C, H], got shape {tuple(x.shape)}")
         grouping = "channel" if role == "keys" else "token"
-        data, scale, zero = _kivi.encode(x, grouping)
+        data, scale, zero = _kivi_codec.encode(x, grouping)
         return QuantizedPages(data, scale, kv_format, zero=zero, grouping=grouping)
     if role is not None:
         raise ValueError(f"{fn}: role: only kivi2 takes a role, got {role!r}")

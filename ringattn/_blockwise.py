@@ -10,7 +10,7 @@ Block pairs that the mask hides entirely are skipped, so keys no query can see a
 read; in partial blocks they are selected away (``where``), so NaN or inf stored in a masked
 key or value reaches neither the output nor any gradient.
 
-``impl="pallas"`` runs the same computation as Pallas kernels (:mod:`ringattn._pallas`:
+``impl="pallas"`` runs the same computation as Pallas kernels (:mod:`ringattn._pallas_triton`:
 Triton on GPU, interpret mode on CPU; :mod:`ringattn._pallas_tpu`: Mosaic on TPU);
 ``impl="auto"`` still picks the XLA path everywhere: the compiled kernels have not yet run
 on a GPU or a TPU (see ``AUTO_PALLAS_BACKENDS``).
@@ -29,8 +29,10 @@ from ringattn._checks import FloatLike, IntLike, check_int, describe, fail, fold
 from ringattn._heads_major import attention_backward, attention_delta, attention_forward
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
-from ringattn._pallas import PallasConfig, pallas_attention, pallas_blocks
+from ringattn._pallas import pallas_attention
+from ringattn._pallas_common import PallasConfig
 from ringattn._pallas_tpu import mosaic_blocks
+from ringattn._pallas_triton import pallas_blocks
 from ringattn._varying import cast_varying, varying_axes
 
 __all__ = ["BlockSizes", "blockwise_attention"]

@@ -1,9 +1,9 @@
 """Mosaic (TPU) variant of the Pallas blockwise attention: forward ``(out, lse)`` and backward.
 
-Same operands, layout, classification and semantics as :mod:`ringattn._pallas` (rows
+Same operands, layout, classification and semantics as :mod:`ringattn._pallas_triton` (rows
 ``t * G + g`` of the ``G`` query heads of one key head, ``[B * K, Tp * G, Hp]``; EMPTY /
 FULL / PARTIAL block pairs from :class:`ringattn._blocks.Summaries`), and the same per-block
-math (:func:`ringattn._pallas.visibility`, the logits, :func:`ringattn._pallas.score_grads`),
+math (:func:`ringattn._pallas_common.visibility`, the logits, :func:`ringattn._pallas_common.score_grads`),
 but in Mosaic's style:
 
 - The loop over the reduced blocks is the last grid axis, ``"arbitrary"``: the forward and
@@ -39,18 +39,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ringattn._blocks import EMPTY, FULL, PARTIAL, live_range, round_up
-from ringattn._pallas import (
+from ringattn._pallas_common import (
     PallasConfig,
-    _dot,
-    _from_keys,
-    _from_rows,
-    _keys,
-    _logits,
-    _Prepared,
-    _rows,
-    _stat_from_rows,
-    _stat_rows,
+    Prepared,
+    dot,
+    from_keys,
+    from_rows,
+    from_stat_rows,
+    logits,
     score_grads,
+    to_keys,
+    to_rows,
+    to_stat_rows,
     visibility,
 )
 from ringattn._varying import varying_struct
@@ -115,13 +115,13 @@ def _clamp(x, lo, hi):
 class _Operands:
     """The Mosaic operands of one call: padded rows and keys, ids laid out for tiling."""
 
-    def __init__(self, prep: _Prepared, q, k, v):
+    def __init__(self, prep: Prepared, q, k, v):
         B, T, S, N, K, G, H = prep.dims
         self.K = K
         self.Hp = round_up(H, LANES)
-        self.q = _rows(q, K, prep.Tp, self.Hp)  # [B * K, Tp * G, Hp]
-        self.k = _keys(k, prep.Sp, self.Hp)  # [B * K, Sp, Hp]
-        self.v = _keys(v, prep.Sp, self.Hp)
+        self.q = to_rows(q, K, prep.Tp, self.Hp)  # [B * K, Tp * G, Hp]
+        self.k = to_keys(k, prep.Sp, self.Hp)  # [B * K, Sp, Hp]
+        self.v = to_keys(v, prep.Sp, self.Hp)
         self.ids = []  # (array, kind): rows [B, TG, 128] / keys [B, 8, Sp] / win [BK, TG, 128]
         for x, kind in prep.ids():
             self.ids.append((_sublanes(x) if kind == "keys" else _lanes(x), kind))
@@ -160,7 +160,7 @@ def _interpret(cfg: PallasConfig):
 
 
 def _split_ids(id_refs, flags):
-    """``(qp, kp, qs, ks, w)`` refs (None for absent ones) in :meth:`_Prepared.ids` order."""
+    """``(qp, kp, qs, ks, w)`` refs (None for absent ones) in :meth:`Prepared.ids` order."""
     segments, per_head = flags
     qs, ks = (id_refs[2], id_refs[3]) if segments else (None, None)
     return id_refs[0], id_refs[1], qs, ks, id_refs[-1] if per_head else None
@@ -178,7 +178,7 @@ def _mask(cfg, kv_len, ids, kv_start, bk):
 def _zero_unseen(mask, k, v):
     """Zeros the keys (rows of ``k``, ``v [bk, Hp]``) that no row of ``mask [R, bk]`` sees."""
     ones = jnp.ones((mask.shape[0], k.shape[1]), jnp.bfloat16)
-    counts = _dot(jnp.where(mask, 1.0, 0.0).astype(jnp.bfloat16), ones, (0, 0))  # [bk, Hp]
+    counts = dot(jnp.where(mask, 1.0, 0.0).astype(jnp.bfloat16), ones, (0, 0))  # [bk, Hp]
     seen = counts > 0.0
     return jnp.where(seen, k, jnp.zeros_like(k)), jnp.where(seen, v, jnp.zeros_like(v))
 
@@ -206,7 +206,7 @@ def _forward_kernel(*refs, cfg, flags, kv_len, bk, nk):
         if masked:
             mask = _mask(cfg, kv_len, [None if r is None else r[...] for r in id_refs], j * bk, bk)
             k, v = _zero_unseen(mask, k, v)
-        s, _ = _logits(cfg, q, k)  # [R, bk]
+        s, _ = logits(cfg, q, k)  # [R, bk]
         if masked:
             s = jnp.where(mask, s, -jnp.inf)
         m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # [R, 1]
@@ -217,7 +217,7 @@ def _forward_kernel(*refs, cfg, flags, kv_len, bk, nk):
         l_new = l_prev * alpha + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
         l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
-        acc_ref[...] = acc_ref[...] * alpha + _dot(p.astype(v.dtype), v, (1, 0))
+        acc_ref[...] = acc_ref[...] * alpha + dot(p.astype(v.dtype), v, (1, 0))
 
     pl.when(kind == FULL)(lambda: visit(False))
     pl.when(kind == PARTIAL)(lambda: visit(True))
@@ -238,11 +238,11 @@ def _backward_block(cfg, masked, q, k, v, do, lse, delta, mask):
     (zeroed where unseen) keys and values."""
     if masked:
         k, v = _zero_unseen(mask, k, v)
-    s, t = _logits(cfg, q, k)
+    s, t = logits(cfg, q, k)
     if masked:
         s = jnp.where(mask, s, -jnp.inf)
     p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse))
-    dp = _dot(do, v)  # [R, bk]
+    dp = dot(do, v)  # [R, bk]
     return p, score_grads(cfg, p, dp, delta, t), k, v
 
 
@@ -267,7 +267,7 @@ def _dq_kernel(*refs, cfg, flags, kv_len, bk, nk):
         _, ds, k, _ = _backward_block(
             cfg, masked, q, k_ref[...], v_ref[...], do_ref[...], lse, delta, mask
         )
-        acc_ref[...] += _dot(ds.astype(k.dtype), k, (1, 0))
+        acc_ref[...] += dot(ds.astype(k.dtype), k, (1, 0))
 
     pl.when(kind == FULL)(lambda: visit(False))
     pl.when(kind == PARTIAL)(lambda: visit(True))
@@ -297,8 +297,8 @@ def _dkv_kernel(*refs, cfg, flags, kv_len, bk, nq):
         q, do = q_ref[...], do_ref[...]
         lse, delta = lse_ref[:, :1], delta_ref[:, :1]
         p, ds, _, _ = _backward_block(cfg, masked, q, k_ref[...], v_ref[...], do, lse, delta, mask)
-        dv_acc[...] += _dot(p.astype(do.dtype), do, (0, 0))  # [bk, Hp]
-        dk_acc[...] += _dot(ds.astype(q.dtype), q, (0, 0))
+        dv_acc[...] += dot(p.astype(do.dtype), do, (0, 0))  # [bk, Hp]
+        dk_acc[...] += dot(ds.astype(q.dtype), q, (0, 0))
 
     pl.when(kind == FULL)(lambda: visit(False))
     pl.when(kind == PARTIAL)(lambda: visit(True))
@@ -319,7 +319,7 @@ def forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig
     """
     B, T, N, H = q.shape
     K = k.shape[2]
-    prep = _Prepared(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg, cfg.block_q, cfg.block_kv)
+    prep = Prepared(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg, cfg.block_q, cfg.block_kv)
     ops = _Operands(prep, q, k, v)
     Hp, R, bk = ops.Hp, prep.R, prep.bk
     nq, nk = prep.kinds.shape
@@ -367,7 +367,7 @@ def forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig
         compiler_params=_compiler_params(cfg),
         name="ringattn_mosaic_forward",
     )(lo, hi, prep.kinds.reshape(-1), *fwd_operands)
-    return _from_rows(out, B, T, N, H), _stat_from_rows(lse[..., 0], B, T, N)
+    return from_rows(out, B, T, N, H), from_stat_rows(lse[..., 0], B, T, N)
 
 
 def backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta, cfg):
@@ -377,15 +377,15 @@ def backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    prep = _Prepared(
+    prep = Prepared(
         q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg, cfg.block_q_bwd, cfg.block_kv_bwd
     )
     ops = _Operands(prep, q, k, v)
     Hp, R, bk = ops.Hp, prep.R, prep.bk
     nq, nk = prep.kinds.shape
-    dor = _rows(dout.astype(q.dtype), K, prep.Tp, Hp)
-    lser = _lanes(_stat_rows(lse, K, prep.Tp))  # [B * K, TG, 128]
-    deltar = _lanes(_stat_rows(delta, K, prep.Tp))
+    dor = to_rows(dout.astype(q.dtype), K, prep.Tp, Hp)
+    lser = _lanes(to_stat_rows(lse, K, prep.Tp))  # [B * K, TG, 128]
+    deltar = _lanes(to_stat_rows(delta, K, prep.Tp))
     ids = [x for x, _ in ops.ids]
     flags = (prep.segments, prep.per_head)
     operands = (ops.q, ops.k, ops.v, dor, lser, deltar, *ids)
@@ -449,4 +449,4 @@ def backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta
         compiler_params=_compiler_params(cfg),
         name="ringattn_mosaic_dkv",
     )(lo_t, hi_t, kinds_t.reshape(-1), *operands)
-    return _from_rows(dq, B, T, N, H), _from_keys(dk, B, S, H), _from_keys(dv, B, S, H)
+    return from_rows(dq, B, T, N, H), from_keys(dk, B, S, H), from_keys(dv, B, S, H)

@@ -82,7 +82,8 @@ from ringattn._online_softmax import (
     merge_attention,
 )
 from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
-from ringattn._pallas import PallasConfig, kernel_calls
+from ringattn._pallas import kernel_calls
+from ringattn._pallas_common import PallasConfig
 from ringattn._varying import cast_varying, varying_axes
 
 __all__ = ["hop_bytes", "ring_attention_per_shard"]
@@ -334,10 +335,10 @@ def _ring_bwd_pallas(plan: _RingPlan, residuals, cotangents):
 def shard_pallas_config(
     mask: MaskSpec, H: int, G: int, T: int, S: int, block_sizes, layout: str
 ) -> PallasConfig:
-    """The :class:`ringattn._pallas.PallasConfig` of Pallas kernels run inside ``shard_map``.
+    """The :class:`ringattn._pallas_common.PallasConfig` of Pallas kernels run inside ``shard_map``.
 
     ``block_sizes``: the caller's :class:`BlockSizes` or None (the Pallas defaults, see
-    :func:`ringattn._pallas.pallas_blocks`). With ``"zigzag"`` the blocks are clamped to half
+    :func:`ringattn._pallas_triton.pallas_blocks`). With ``"zigzag"`` the blocks are clamped to half
     the local lengths (compiled: rounded down to a power of two for Triton, kept as given
     for Mosaic unless the half is whole tiles), so causal chunk pairs can be skipped. The
     target follows the backend (:func:`ringattn._blockwise.pallas_target`: Mosaic on TPU,

@@ -72,6 +72,57 @@ def test_dependency_direction_and_public_names_only(package):
                 )
 
 
+def _module_name(path):
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def test_no_import_circle_between_the_library_modules():
+    """No module of ``ringattn``, ``paged`` or ``offload`` reaches itself through imports,
+    counting the imports inside functions too (a call-time import that closes a circle is
+    still a circle): the Pallas kernels are laid out as common / per backend / dispatch."""
+    paths = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+    modules = {_module_name(p): p for p in paths}
+
+    def resolve(module):
+        while module and module not in modules:
+            module = module.rpartition(".")[0]
+        return module
+
+    edges = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {resolve(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # ``from pkg import _mod`` imports the module ``pkg._mod``, not ``pkg``'s
+                # other modules: the edge goes to the submodule when there is one.
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in modules else resolve(node.module))
+        edges[name] = targets - {"", name}
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                circle = [*stack[stack.index(nxt) :], nxt]
+                raise AssertionError("import circle: " + " -> ".join(circle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    assert "ringattn._pallas_tpu" in edges["ringattn._pallas"]  # the walk sees the modules
+
+
 def test_offload_subpackages_are_public_and_not_imported_by_the_core():
     subpackages = sorted(p.parent for p in (ROOT / "offload").glob("*/__init__.py"))
     assert [p.name for p in subpackages] == ["monitoring", "planning"]

@@ -22,7 +22,8 @@ from ringattn import (
     blockwise_attention,
 )
 from ringattn._blockwise import resolve_impl
-from ringattn._pallas import next_pow2, pallas_blocks
+from ringattn._pallas_common import next_pow2
+from ringattn._pallas_triton import pallas_blocks
 from tests._util import assert_close, attention_inputs, segments_from_cuts
 
 BLOCKS = BlockSizes(block_q=4, block_kv=8, block_q_bwd=8, block_kv_bwd=4)
@@ -169,7 +170,8 @@ def test_kernels_lower_to_triton_for_cuda_without_a_gpu():
     from jax import export
 
     from ringattn._blocks import window_table
-    from ringattn._pallas import PallasConfig, pallas_attention
+    from ringattn._pallas import pallas_attention
+    from ringattn._pallas_common import PallasConfig
 
     B, T, S, N, K, H = 2, 200, 300, 8, 2, 80
     spec = MaskSpec(causal=True, window=(64, None, 128, 32, 64, None, 128, 32), softcap=30.0)
