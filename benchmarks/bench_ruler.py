@@ -135,8 +135,8 @@ def parse(argv):
 
 def main(argv=None) -> list[dict]:
     args = parse(sys.argv[1:] if argv is None else argv)
-    from examples.llama import ruler
     from examples.llama import press as presslib
+    from examples.llama import ruler
     from examples.llama.generate import load_model
 
     model, tok = load_model()
