@@ -27,7 +27,7 @@ the pages as int8 / fp8 / int4 / kivi2 (kivi2 with a 128-token full-precision wi
 removed pages are masked out of the tables, not freed: ``device_bytes`` stays the full pool's).
 
 Tasks (``--task``): ``niah_single``, ``niah_multikey``, ``niah_multivalue``,
-``niah_multiquery``, ``variable_tracking``, ``common_words`` (:mod:`benchmarks._ruler`).
+``niah_multiquery``, ``variable_tracking``, ``common_words`` (:mod:`examples.llama.ruler`).
 
 One evaluation (its last line is one JSON object: task, length, press, ratio, samples, score,
 ci95, and the memory and times)::
@@ -117,10 +117,10 @@ def parse(argv):
     args = p.parse_args(argv)
     if args.quick:
         args.length, args.samples = 256, 1
-    from benchmarks import _ruler
+    from examples.llama import ruler
 
-    if args.task not in _ruler.TASKS:
-        p.error(f"--task: expected one of {', '.join(_ruler.TASKS)}, got {args.task!r}")
+    if args.task not in ruler.TASKS:
+        p.error(f"--task: expected one of {', '.join(ruler.TASKS)}, got {args.task!r}")
     args.presses = args.press.split(",")
     for press in args.presses:
         if press not in PRESSES:
@@ -135,8 +135,8 @@ def parse(argv):
 
 def main(argv=None) -> list[dict]:
     args = parse(sys.argv[1:] if argv is None else argv)
-    from benchmarks import _ruler
     from examples.llama import press as presslib
+    from examples.llama import ruler
     from examples.llama.generate import load_model
 
     model, tok = load_model()
@@ -147,7 +147,7 @@ def main(argv=None) -> list[dict]:
     new = NEW_TOKENS[args.task]
     fmt = kv_format(args.kv_format)
     for i in range(args.samples):
-        sample = _ruler.make_sample(args.task, args.length, args.seed * 100_003 + i, count)
+        sample = ruler.make_sample(args.task, args.length, args.seed * 100_003 + i, count)
         ctx = tok.encode(sample.context).ids
         question = tok.encode(sample.question + sample.answer_prefix).ids
         if args.mode == "agnostic":
@@ -170,7 +170,7 @@ def main(argv=None) -> list[dict]:
                 keep = presslib.select_pages(pre, make_policy(press, ratio, args.page_size, window))
             ans = presslib.answer(model, pre, keep, forced, new, mode=args.residency)
             text = tok.decode([int(t) for t in ans.tokens])
-            scores[(press, ratio)].append(_ruler.score(sample, text))
+            scores[(press, ratio)].append(ruler.score(sample, text))
             stats[(press, ratio)].append((pre.seconds, ans))
             print(f"# sample {i} {press} {ratio}: score {scores[(press, ratio)][-1]:.2f} "
                   f"kept {ans.kept_pages:g}/{ans.live_pages} pages, {text!r}", flush=True)  # fmt: skip

@@ -49,12 +49,12 @@ def passkey_prompt(n_noise: int, key: str, depth: float) -> str:
 
 def prompts(count) -> dict[str, str]:
     """The three reference prompts; ``count`` turns text into a token count."""
-    from benchmarks import _ruler
+    from examples.llama import ruler
 
     return {
         "story": STORY,
         "passkey": passkey_prompt(40, "71432", 0.4),
-        "niah": _ruler.make_sample("niah_single", 2000, seed=0, count=count).prompt,
+        "niah": ruler.make_sample("niah_single", 2000, seed=0, count=count).prompt,
     }
 
 

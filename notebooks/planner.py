@@ -27,38 +27,12 @@
 # reasons that produced it: the rule, the numbers, the source (the article's section, or where
 # this repository's own measurements disagree with the article, the results file). No JAX
 # arrays, no devices: it runs anywhere in a second or two.
+#
+# On Colab, run the first code cell: it installs the library (`%pip`; the tests and CI skip
+# it). From a clone with the `[notebooks]` extra installed, skip it.
 
-# %%
-import sys
-
-if "google.colab" in sys.modules:  # Colab: install the library first (it is not on PyPI)
-    import glob
-    import os
-    import subprocess
-
-    REPOSITORY = "https://github.com/jax-longctx/jax-longctx"  # pyproject.toml [project.urls]
-    HOW_TO_INSTALL = f"""jax-longctx is not on PyPI. Install it one of these ways, then rerun:
-  * from its repository: set JAX_LONGCTX_SPEC (or use the default)
-        jax-longctx @ git+{REPOSITORY}
-    (a fork or a branch: jax-longctx @ git+https://github.com/YOU/jax-longctx@BRANCH);
-  * from a wheel: in a clone run `pip wheel . --no-deps -w dist` (or `python -m build`),
-    upload dist/jax_longctx-*.whl to this Colab session (Files pane, into the working
-    directory), and rerun this cell: it installs the newest uploaded wheel."""
-    wheels = sorted(glob.glob("jax_longctx-*.whl"))
-    spec = os.environ.get("JAX_LONGCTX_SPEC") or (
-        wheels[-1] if wheels else f"jax-longctx @ git+{REPOSITORY}"
-    )
-    print(f"pip install {spec!r}")
-    pip = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", spec], capture_output=True, text=True
-    )
-    if pip.returncode != 0:
-        said = [line.strip() for line in pip.stderr.splitlines() if line.strip()]
-        pip_said = next(
-            (line for line in said if line.startswith(("fatal:", "ERROR:"))),
-            said[-1] if said else "(no output)",
-        )
-        raise SystemExit(f"Installing {spec!r} failed: {pip_said}\n\n{HOW_TO_INSTALL}")
+# %% tags=["skip-execution"]
+# %pip install -q "jax-longctx[notebooks] @ git+https://github.com/jax-longctx/jax-longctx"
 
 # %%
 import dataclasses

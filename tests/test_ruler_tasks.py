@@ -1,42 +1,44 @@
-"""The RULER-style task generator of ``benchmarks.bench_ruler``: reproducible from a seed, at
-most the asked length, every expected answer in the context, RULER's scoring."""
+"""The RULER-style task generator ``examples.llama.ruler`` (of ``benchmarks.bench_ruler`` and
+the real-model notebook): reproducible from a seed, at most the asked length, every expected
+answer in the context, RULER's scoring."""
 
 import json
 
 import pytest
 
-from benchmarks import _ruler, bench_ruler
+from benchmarks import bench_ruler
+from examples.llama import ruler
 
 
 def count(text: str) -> int:  # a stand-in tokenizer: whitespace-separated words
     return len(text.split())
 
 
-@pytest.mark.parametrize("task", sorted(_ruler.TASKS))
+@pytest.mark.parametrize("task", sorted(ruler.TASKS))
 def test_samples_are_reproducible_bounded_and_answerable(task):
-    a = _ruler.make_sample(task, 600, seed=4, count=count)
-    assert a == _ruler.make_sample(task, 600, seed=4, count=count)
-    assert a != _ruler.make_sample(task, 600, seed=5, count=count)
+    a = ruler.make_sample(task, 600, seed=4, count=count)
+    assert a == ruler.make_sample(task, 600, seed=4, count=count)
+    assert a != ruler.make_sample(task, 600, seed=5, count=count)
     assert 500 < count(a.prompt) <= 600
     assert a.task == task and a.expected
     for expected in a.expected:
         assert expected in a.context and expected not in a.question + a.answer_prefix
-    assert _ruler.score(a, " ".join(a.expected)) == 1.0
-    assert _ruler.score(a, "") == 0.0
+    assert ruler.score(a, " ".join(a.expected)) == 1.0
+    assert ruler.score(a, "") == 0.0
 
 
 def test_multi_answer_scores_are_recall_and_distractors_differ():
-    s = _ruler.make_sample("niah_multivalue", 400, seed=0, count=count)
-    assert len(s.expected) == 4 and _ruler.score(s, s.expected[0]) == 0.25
-    k = _ruler.make_sample("niah_multikey", 400, seed=0, count=count)
+    s = ruler.make_sample("niah_multivalue", 400, seed=0, count=count)
+    assert len(s.expected) == 4 and ruler.score(s, s.expected[0]) == 0.25
+    k = ruler.make_sample("niah_multikey", 400, seed=0, count=count)
     assert k.context.count("special magic numbers for") == 4 and len(k.expected) == 1
 
 
 def test_checks_and_the_interval():
     with pytest.raises(ValueError, match="task: expected one of"):
-        _ruler.make_sample("niah", 600, seed=0, count=count)
+        ruler.make_sample("niah", 600, seed=0, count=count)
     with pytest.raises(ValueError, match="length: expected >= 64"):
-        _ruler.make_sample("niah_single", 10, seed=0, count=count)
+        ruler.make_sample("niah_single", 10, seed=0, count=count)
     lo, hi = bench_ruler.wilson(8, 8)
     assert 0.6 < lo < 0.7 and hi == 1.0
     lo, hi = bench_ruler.wilson(0, 8)

@@ -12,4 +12,7 @@ researcher copies to put a pretrained model on the library:
   as in :mod:`examples.longctx_lm` (dense, blockwise, ring over a mesh, paged decode).
 * :mod:`examples.llama.generate`: greedy generation through the paged cache, and the command
   ``python -m examples.llama.generate --prompt-file F --max-new-tokens N``.
+* :mod:`examples.llama.press`: kvpress's loop (prefill once, compress the cached KV with a
+  press, answer), with the freed device bytes measured.
+* :mod:`examples.llama.ruler`: RULER-style synthetic tasks from a seed and RULER's scoring.
 """

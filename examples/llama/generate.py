@@ -27,7 +27,7 @@ import paged
 from examples.llama.model import Llama
 from examples.longctx_lm.generate import Retention, Server
 
-__all__ = ["load_model", "make_server", "main"]
+__all__ = ["generate", "load_model", "make_server", "main"]
 
 
 def load_model(path=None, *, safetensors=None):

@@ -20,6 +20,16 @@ strings. Scoring is RULER's: the fraction of expected strings found in the outpu
 
 Lengths are in tokens of the given tokenizer: the haystack grows sentence by sentence until
 context + question + answer prefix reach ``length`` (within one sentence below).
+
+Use (any tokenizer: ``count`` maps a text to its number of tokens)::
+
+    from examples.llama import ruler
+
+    sample = ruler.make_sample("niah_single", 4096, seed=0, count=lambda t: len(tok.encode(t).ids))
+    prompt = sample.context + sample.question + sample.answer_prefix   # == sample.prompt
+    ruler.score(sample, generated_text)   # in [0, 1]
+
+``benchmarks/bench_ruler.py`` (the harness) and ``notebooks/real_model.py`` use it.
 """
 
 import dataclasses
@@ -28,7 +38,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["TASKS", "Sample", "make_sample", "score"]
+__all__ = ["NOISE", "TASKS", "Sample", "make_sample", "score"]
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _WORDS = (
