@@ -133,7 +133,10 @@ def _reference(q, k, v, q_pos, kv_pos, seg, bias, spec: MaskSpec):
         grouped = (Bb, 1, 1, Tb, Sb) if Nb == 1 else (Bb, K, G, Tb, Sb)
         logits = logits + bias.astype(jnp.float32).reshape(grouped)
     logits = jnp.where(mask, logits, -jnp.inf)  # [B, K, G, T, S]
-    m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
+    # The shift does not change the result, so no gradient goes through it: the max's own
+    # gradient (ties found by comparing with the max) is NaN where a recomputed logit
+    # rounds differently (seen with a bias under XLA:CPU -O0).
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
     m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(logits - m_safe)
     denom = jnp.sum(p, axis=-1, keepdims=True)
