@@ -209,6 +209,8 @@ def test_nan_under_the_mask_does_not_leak():
 
     (val, g), (ref, ref_g) = grads(_ours, *poisoned), grads(_theirs, *clean)
     assert_close(val, ref, dtype=F32, grad=True, what="loss")
+    # jax.nn lets such NaN through (0 * NaN in probs @ value), as the docs say.
+    assert np.isnan(np.asarray(_theirs(q, *poisoned, bias, allowed, **kw))).any()
     # assert_close also checks that every entry is finite (dk, dv are 0 at hidden keys).
     for name, a, r in zip(("dq", "dk", "dv", "dbias"), g, ref_g, strict=True):
         assert_close(a, r, dtype=F32, grad=True, what=name)
@@ -235,10 +237,15 @@ def test_flax_nnx_multi_head_attention_swaps_it_in():
     parameter gradients as Flax's default (which calls jax.nn.dot_product_attention)."""
     nnx = pytest.importorskip("flax.nnx")
 
-    def attention_fn(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, **_):
-        assert dropout_rate == 0.0
-        mask = None if mask is None else mask.astype(bool)
-        return _ours(query, key, value, bias, mask)
+    # The adapter of docs/concepts/semantics.md ("jax.nn compatibility"), with our blocks.
+    def attention_fn(
+        query, key, value, bias=None, mask=None, *, dropout_rate=0.0, module=None,
+        is_causal=False, **unused,
+    ):  # fmt: skip
+        if dropout_rate or module is not None:
+            raise NotImplementedError("no attention dropout or sown weights")
+        mask = None if mask is None else mask.astype(bool)  # Flax's masks are float
+        return _ours(query, key, value, bias, mask, is_causal=is_causal)
 
     x = jax.random.normal(jax.random.key(3), (B, T, 16), F32)
     mask = nnx.make_causal_mask(jnp.ones((B, T)))
