@@ -125,7 +125,9 @@ def dot_product_attention(
     One difference: a query that sees no key at all (every key masked by ``mask``, outside
     its window, or ``key_value_seq_lengths`` 0) gets ``0`` here, where ``jax.nn`` gives the
     mean of all ``S`` values (its masked logits are a large finite negative, so such a row's
-    softmax is uniform). Padding queries (``query_seq_lengths``) get ``0`` in both.
+    softmax is uniform). Padding queries (``query_seq_lengths``) get ``0`` in both. ``jax.nn``'s
+    ``return_residual`` is not taken: :func:`ringattn.blockwise_attention` returns
+    ``(out, lse)``.
 
     Args:
       query: ``[B, T, N, H]`` or ``[T, N, H]``.
@@ -184,16 +186,7 @@ def dot_product_attention(
     bias = _expand_term(fn, "bias", bias, dims, boolean=False)
     mask = _expand_term(fn, "mask", mask, dims, boolean=True)
 
-    # jax.nn's masks over arange positions, as the library's: a window (left, right) without
-    # is_causal is a causal mask over queries moved right by `right`, of width left+right+1.
-    causal, width, shift = is_causal, None, 0
-    if window is not None:
-        left, right = window
-        causal, width, shift = (
-            True,
-            left + 1 + (0 if is_causal else right),
-            0 if is_causal else right,
-        )
+    causal, width, shift = _causal_window(is_causal, window)
     positions = Positions(arange_positions(B, T, shift), None) if causal else None
     segment_ids = None
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
@@ -221,8 +214,21 @@ def dot_product_attention(
     return out.reshape(out_shape)
 
 
+def _causal_window(is_causal: bool, window) -> tuple[bool, int | None, int]:
+    """``jax.nn``'s causal mask and window over ``arange`` positions as the library's
+    ``(causal, window, query shift)``: query ``t`` sees keys ``t - left <= s <= t + right``,
+    which is a causal mask over queries moved right by ``right`` (0 under ``is_causal``),
+    with a window of ``left + right + 1``."""
+    if window is None:
+        return is_causal, None, 0
+    left, right = window
+    right = 0 if is_causal else right
+    return True, left + right + 1, right
+
+
 def _padding_segments(fn: str, arg: str, lengths, B: int, length: int, pad_id: int):
-    """``[B, length]`` int32: 0 before ``lengths[b]``, ``pad_id`` from there (all 0: None)."""
+    """``[B, length]`` int32: 0 before ``lengths[b]``, ``pad_id`` from there (no lengths:
+    all 0)."""
     if lengths is None:
         return jnp.zeros((B, length), jnp.int32)
     lengths = check_ids(fn, arg, lengths, (B,))
