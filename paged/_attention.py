@@ -64,6 +64,7 @@ from paged._checks import (
     describe,
     int_option,
     pool_dtype,
+    refuse_bias,
 )
 from paged._page_walk import attend_sequence, kernel_options, pad_table
 from paged._pallas_decode import decode_config, pallas_decode
@@ -314,6 +315,7 @@ def paged_attention(
     return_page_mass: bool | np.bool_ = False,
     impl: str = "auto",
     layer: IntScalar | Int[Array, ""] | None = None,
+    bias: Float[Array, "..."] | None = None,
 ) -> PagedAttentionOutput:
     """Decode attention of a few query tokens per sequence over a paged KV pool.
 
@@ -357,6 +359,9 @@ def paged_attention(
         on XLA:CPU: inside a decode loop that also writes the pools (``write_layer``), this
         path was 11x slower than slicing at batch 1 (the stack is copied instead): slice
         there. A kivi2 stack is sliced (its residual window is per layer).
+      bias: must be None: this path takes no logit bias (ValueError, naming the
+        single-device functions that take one: ringattn.blockwise_attention,
+        ringattn.attention_reference, ringattn.dot_product_attention).
 
     Returns:
       :class:`PagedAttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N] float32,
@@ -383,6 +388,7 @@ def paged_attention(
       ((1, 1, 2, 8), 1.0, None)
     """
     fn = "paged_attention"
+    refuse_bias(fn, bias)
     check_array(fn, "q", q, 4, jnp.floating)
     B, T, N, _ = q.shape
     stacked = (k_pages, v_pages)
@@ -508,6 +514,7 @@ def ragged_paged_attention(
     queries_per_block: IntScalar = 16,
     return_page_mass: bool | np.bool_ = False,
     layer: IntScalar | Int[Array, ""] | None = None,
+    bias: Float[Array, "..."] | None = None,
 ) -> PagedAttentionOutput:
     """Attention for a flat batch that mixes prefill chunks and decode tokens.
 
@@ -547,6 +554,9 @@ def ragged_paged_attention(
         on XLA:CPU: inside a decode loop that also writes the pools (``write_layer``), this
         path was 11x slower than slicing at batch 1 (the stack is copied instead): slice
         there. A kivi2 stack is sliced (its residual window is per layer).
+      bias: must be None: this path takes no logit bias (ValueError, naming the
+        single-device functions that take one: ringattn.blockwise_attention,
+        ringattn.attention_reference, ringattn.dot_product_attention).
 
     Returns:
       :class:`PagedAttentionOutput` ``(out [Q, N, H] in q.dtype, lse [Q, N] float32,
@@ -568,6 +578,7 @@ def ragged_paged_attention(
       ((3, 2, 8), (3, 2))
     """
     fn = "ragged_paged_attention"
+    refuse_bias(fn, bias)
     check_array(fn, "q", q, 3, jnp.floating)
     total, N, _ = q.shape
     k_pages, v_pages, heads, (K, P, C, H) = checked_pools(fn, k_pages, v_pages, layer)

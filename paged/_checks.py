@@ -391,3 +391,13 @@ def host_int_array(fn: str, name: str, x, ndim: int) -> np.ndarray:
 def pool_dtype(pages):
     """The dtype ``q`` must have for this pool: the float pool's, None (any) if quantized."""
     return None if is_quantized(pages) else pages.dtype
+
+
+def refuse_bias(fn: str, bias) -> None:
+    """The error for a logit ``bias`` (not None): the paged kernels take none."""
+    if bias is not None:
+        raise ValueError(
+            f"{fn}: bias: expected None (the paged kernels take no logit bias; "
+            f"ringattn.blockwise_attention with impl='xla', ringattn.attention_reference and "
+            f"ringattn.dot_product_attention, on contiguous K/V, take one), got {describe(bias)}"
+        )

@@ -31,7 +31,10 @@ a decode slot beyond ``lengths``, padding) has no effect on any output or gradie
 holds NaN or inf; a row that sees nothing gives ``out = 0``, ``lse = -inf``.
 
 Single device: :func:`attention_reference` (the dense oracle), :func:`blockwise_attention`,
-:func:`merge_attention` and the online-softmax primitives.
+:func:`merge_attention` and the online-softmax primitives. Both attention functions take an
+additive logit ``bias`` ``[B or 1, N or 1, T or 1, S or 1]`` (the distributed and Pallas paths
+do not). :func:`dot_product_attention` is ``jax.nn.dot_product_attention`` (its arguments, its
+``[B, T, N, H]`` array result) on the blockwise kernels, for a Flax ``attention_fn``.
 
 Per shard inside ``shard_map``: :func:`ring_attention_per_shard`,
 :func:`decode_attention_per_shard`, :func:`allreduce_attention_per_shard`,
@@ -63,6 +66,7 @@ from ringattn._decode import (
 from ringattn._dense_mask import DenseMask
 from ringattn._hop_format import HOP_FORMATS, QuantizedHop, dequantize_hop, quantize_hop
 from ringattn._layout import LAYOUTS, from_layout, shard_positions, to_layout
+from ringattn._nn_api import dot_product_attention
 from ringattn._online_softmax import (
     AttentionOutput,
     OnlineSoftmax,
@@ -91,6 +95,7 @@ __all__ = [
     # single device
     "attention_reference",
     "blockwise_attention",
+    "dot_product_attention",
     "resolve_impl",
     "apply_sinks",
     "merge_attention",

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ringattn._bias import biased_attention, check_logit_term
 from ringattn._blocks import window_table
 from ringattn._checks import FloatLike, IntLike, check_int, describe, fail, fold_traced_scale
 from ringattn._heads_major import attention_backward, attention_delta, attention_forward
@@ -150,10 +151,15 @@ def local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, spec, block_
     return _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, spec, block_sizes)
 
 
-@functools.partial(jax.jit, static_argnums=(8, 9))
-def _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, mask, block_sizes):
+@functools.partial(jax.jit, static_argnums=(10, 11))
+def _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, bias, allowed, mask, block_sizes):
     windows = head_windows(mask, q.shape[2])
-    out, lse = local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes)
+    if bias is None and allowed is None:
+        args = (q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes)
+        return apply_sinks(*local_attention(*args), sinks)
+    table = None if windows is None else window_table(windows, q.shape[0], k.shape[2])
+    ids = (q_pos, kv_pos, q_seg, kv_seg)
+    out, lse = biased_attention(q, k, v, ids, table, bias, allowed, mask, block_sizes)
     return apply_sinks(out, lse, sinks)
 
 
@@ -254,6 +260,7 @@ def blockwise_attention(
     segment_ids: SegmentIds | None = None,
     positions: Positions | None = None,
     sinks: Float[Array, " N"] | None = None,
+    bias: Float[Array, "#B #N #T #S"] | None = None,
     block_sizes: BlockSizes | None = None,
     impl: str = "auto",
 ) -> AttentionOutput:
@@ -263,8 +270,8 @@ def blockwise_attention(
     float32 and the output comes back in ``q.dtype``. Block pairs that the mask hides entirely
     (causal future, outside every head's window, other segments) are skipped. The gradient is
     a ``custom_vjp`` that recomputes blocks from ``(q, k, v, out, lse)``, so training memory
-    is linear in ``T + S``; gradients flow to ``q``, ``k``, ``v``, ``sinks`` and through
-    ``lse``. Keys no query may see have no effect, even if they hold NaN or inf.
+    is linear in ``T + S``; gradients flow to ``q``, ``k``, ``v``, ``bias``, ``sinks`` and
+    through ``lse``. Keys no query may see have no effect, even if they hold NaN or inf.
 
     Options are static: to ``jit`` with them, bind them first,
     ``jax.jit(functools.partial(blockwise_attention, causal=True))``, or pass a
@@ -290,6 +297,15 @@ def blockwise_attention(
         With ``T != S`` under a causal or window mask ``positions.q`` is required (where a
         shorter query block sits is ambiguous: ``paged`` puts it last): a ``ValueError``.
       sinks: ``[N]`` per-head sink logit (joins the softmax denominator once), or None.
+      bias: an additive logit bias ``[B or 1, N or 1, T or 1, S or 1]`` (any float dtype; an
+        axis of size 1 is broadcast), or None: the logits are ``softcap(scale * q k^T) +
+        bias`` before the mask. Each kernel step slices the block it needs, so the bias is
+        never broadcast to ``[B, N, T, S]`` (a padded copy is made where ``T`` or ``S`` is
+        not a multiple of the block size). Its gradient comes back in its own shape and
+        dtype, summed over its broadcast axes. Where the mask hides a pair the bias has no
+        effect (NaN there reaches nothing). With a bias every live block is computed masked
+        (no unmasked fast path), and only the XLA path takes one (``impl="pallas"``:
+        ValueError; ``"auto"`` runs XLA).
       block_sizes: :class:`ringattn.BlockSizes`; default ``BlockSizes()`` for the XLA path;
         for Pallas on GPU and CPU ``128 // G`` query positions (``128`` rows) by ``64`` keys
         forward, ``64 // G`` by ``64`` backward (``G = N // K``), clamped to the next power
@@ -313,7 +329,9 @@ def blockwise_attention(
       ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, a zero head dim or head
         count, segment ids or positions of the wrong type, shape or dtype, a bad window,
         softcap, scale, sinks or block size, an unknown ``impl``, both ``mask`` and a
-        keyword, or ``T != S`` under a causal or window mask without ``positions.q``.
+        keyword, or ``T != S`` under a causal or window mask without ``positions.q``; a
+        ``bias`` that is not a float array broadcastable as above, or a bias with
+        ``impl="pallas"``.
       NotImplementedError: ``impl="pallas"`` with a DenseMask, on a backend other than
         CPU, GPU and TPU, or with block sizes the compiled kernel cannot take.
       TypeError: forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize`` of
@@ -352,15 +370,40 @@ def blockwise_attention(
     )
     given_blocks = block_sizes
     block_sizes = check_block_sizes(fn, block_sizes)
+    if bias is not None:
+        bias = check_logit_term(fn, "bias", bias, (B, N, T, S), boolean=False)
+    if bias is not None and impl == "pallas":
+        raise ValueError(
+            f"{fn}: bias: expected None with impl='pallas' (the Pallas kernels take no logit "
+            f"bias), got {describe(bias)}: a bias runs on impl='xla' or impl='auto' (the XLA "
+            f"blockwise kernels); ringattn.attention_reference and "
+            f"ringattn.dot_product_attention take one too"
+        )
     impl = resolve_impl(fn, impl, jax.default_backend())
+    if bias is not None:
+        impl = "xla"  # "auto" never hands a bias to the Pallas kernels
     if impl == "pallas" and spec.dense is not None:
         raise NotImplementedError(f"{fn}: impl='pallas' does not support mask.dense (DenseMask)")
+    if impl == "pallas" and 0 not in (B, T, S):
+        q_pos = arange_positions(B, T) if pos.q is None else pos.q
+        kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv
+        q_seg, kv_seg = (None, None) if seg is None else seg
+        cfg = make_pallas_config(spec, given_blocks, N // K, T, S, H, jax.default_backend())
+        return _blockwise_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec, cfg)
+    return run_xla(q, k, v, (seg, pos, sinks), (bias, None), spec, block_sizes)
+
+
+def run_xla(q, k, v, ids, terms, spec: MaskSpec, block_sizes: BlockSizes) -> AttentionOutput:
+    """The XLA blockwise path on validated inputs (``prepare`` and the term checks done).
+
+    ``ids = (SegmentIds or None, Positions, sinks or None)``; ``terms = (bias, allowed)``,
+    each ``[B or 1, N or 1, T or 1, S or 1]`` or None (:mod:`ringattn._bias`).
+    """
+    seg, pos, sinks = ids
+    (B, T, _, _), S = q.shape, k.shape[1]
     if B == 0 or T == 0 or S == 0:
         return apply_sinks(*empty_attention(q, k, v), sinks)
     q_pos = arange_positions(B, T) if pos.q is None else pos.q
     kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv
     q_seg, kv_seg = (None, None) if seg is None else seg
-    if impl == "pallas":
-        cfg = make_pallas_config(spec, given_blocks, N // K, T, S, H, jax.default_backend())
-        return _blockwise_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec, cfg)
-    return _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec, block_sizes)
+    return _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, *terms, spec, block_sizes)

@@ -20,6 +20,7 @@ __all__ = [
     "check_ids",
     "check_int",
     "check_qkv",
+    "refuse_bias",
     "check_static",
     "describe",
     "fail",
@@ -155,3 +156,16 @@ def check_ids(fn: str, arg: str, x, shape: tuple[int, ...]):
     if tuple(x.shape) != tuple(shape):
         raise fail(fn, arg, f"shape {tuple(shape)}", describe(x))
     return jnp.asarray(x, jnp.int32)
+
+
+def refuse_bias(fn: str, bias) -> None:
+    """The error of a path that takes no logit bias (``bias`` not None), naming those that do."""
+    if bias is not None:
+        raise fail(
+            fn,
+            "bias",
+            "None (this path takes no logit bias; ringattn.blockwise_attention with "
+            "impl='xla', ringattn.attention_reference and ringattn.dot_product_attention, "
+            "single device, take one)",
+            describe(bias),
+        )

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ringattn._bias import check_logit_term
 from ringattn._checks import FloatLike, IntLike, fold_traced_scale
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import (
@@ -34,6 +35,7 @@ def attention_reference(
     segment_ids: SegmentIds | None = None,
     positions: Positions | None = None,
     sinks: Float[Array | np.ndarray, " N"] | None = None,
+    bias: Float[Array | np.ndarray, "#B #N #T #S"] | None = None,
 ) -> AttentionOutput:
     """Dense attention in float32: the ``T x S`` matrix is built, so use small shapes.
 
@@ -62,6 +64,8 @@ def attention_reference(
         With ``T != S`` under a causal or window mask ``positions.q`` is required (where a
         shorter query block sits is ambiguous: ``paged`` puts it last): a ``ValueError``.
       sinks: ``[N]`` per-head sink logit, or None.
+      bias: additive logit bias ``[B or 1, N or 1, T or 1, S or 1]`` (an axis of size 1 is
+        broadcast), or None: the logits are ``softcap(scale * q k^T) + bias``, then masked.
 
     Returns:
       :class:`ringattn.AttentionOutput`: ``out [B, T, N, H]`` in ``q.dtype`` (computed in
@@ -70,7 +74,8 @@ def attention_reference(
 
     Raises:
       ValueError: on inconsistent shapes, dtypes or options; ``T != S`` under a causal or
-        window mask without ``positions.q``.
+        window mask without ``positions.q``; a bias that is not a float array of the shape
+        above.
 
     Example:
       >>> import jax.numpy as jnp
@@ -100,14 +105,16 @@ def attention_reference(
         sinks=sinks,
         dense_ok=True,
     )
+    if bias is not None:
+        bias = check_logit_term(fn, "bias", jnp.asarray(bias), (B, N, T, S), boolean=False)
     q_pos = arange_positions(B, T) if pos.q is None else pos.q
     kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv
-    out, lse = _reference(q, k, v, q_pos, kv_pos, seg, spec)
+    out, lse = _reference(q, k, v, q_pos, kv_pos, seg, bias, spec)
     return apply_sinks(out, lse, sinks)
 
 
-@functools.partial(jax.jit, static_argnums=(6,))
-def _reference(q, k, v, q_pos, kv_pos, seg, spec: MaskSpec):
+@functools.partial(jax.jit, static_argnums=(7,))
+def _reference(q, k, v, q_pos, kv_pos, seg, bias, spec: MaskSpec):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -121,8 +128,15 @@ def _reference(q, k, v, q_pos, kv_pos, seg, spec: MaskSpec):
     logits = jnp.einsum("btkgh,bskh->bkgts", qf, kf) * spec.scale_for(H)
     if spec.softcap is not None:
         logits = spec.softcap * jnp.tanh(logits / spec.softcap)
+    if bias is not None:  # [B or 1, N or 1, T or 1, S or 1] -> broadcastable to [B, K, G, T, S]
+        Bb, Nb, Tb, Sb = bias.shape
+        grouped = (Bb, 1, 1, Tb, Sb) if Nb == 1 else (Bb, K, G, Tb, Sb)
+        logits = logits + bias.astype(jnp.float32).reshape(grouped)
     logits = jnp.where(mask, logits, -jnp.inf)  # [B, K, G, T, S]
-    m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
+    # The shift does not change the result, so no gradient goes through it: the max's own
+    # gradient (ties found by comparing with the max) is NaN where a recomputed logit
+    # rounds differently (seen with a bias under XLA:CPU -O0).
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
     m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(logits - m_safe)
     denom = jnp.sum(p, axis=-1, keepdims=True)

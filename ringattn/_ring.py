@@ -56,7 +56,7 @@ from ringattn._blockwise import (
     make_pallas_config,
     resolve_impl,
 )
-from ringattn._checks import FloatLike, IntLike, check_int, fail
+from ringattn._checks import FloatLike, IntLike, check_int, fail, refuse_bias
 from ringattn._heads_major import (
     attention_delta,
     kv_from_heads_major,
@@ -436,6 +436,7 @@ def ring_attention_per_shard(
     block_sizes: BlockSizes | None = None,
     hop_format: str | None = None,
     impl: str = "auto",
+    bias: Float[Array, "..."] | None = None,
 ) -> AttentionOutput:
     """Exact attention over a sequence sharded along ``seq_axis``; call it per shard.
 
@@ -489,6 +490,9 @@ def ring_attention_per_shard(
         GPU, Mosaic on TPU; on CPU Pallas's TPU interpret mode (slow, for tests; its
         callbacks are effects, so not under ``jax.checkpoint``). Not with ``hop_format``. ``block_sizes`` None takes the Pallas defaults of the backend (see
         :func:`ringattn.blockwise_attention`).
+      bias: must be None: this path takes no logit bias (ValueError, naming the
+        single-device functions that take one: ringattn.blockwise_attention,
+        ringattn.attention_reference, ringattn.dot_product_attention).
 
     Returns:
       :class:`ringattn.AttentionOutput` ``(out [B, T, N, H] in q.dtype, lse [B, T, N]
@@ -523,6 +527,7 @@ def ring_attention_per_shard(
       Context", 2023.
     """
     fn = "ring_attention_per_shard"
+    refuse_bias(fn, bias)
     (B, T, S, N, K, H), spec, seg, pos = prepare(
         fn,
         q,

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from ringattn._blockwise import BlockSizes, empty_attention, resolve_impl
-from ringattn._checks import FloatLike, IntLike, fail, fold_traced_scale
+from ringattn._checks import FloatLike, IntLike, fail, fold_traced_scale, refuse_bias
 from ringattn._hop_format import check_hop_format
 from ringattn._layout import LAYOUTS, check_layout_positions, to_layout
 from ringattn._online_softmax import AttentionOutput, apply_sinks
@@ -178,6 +178,7 @@ def sharded_attention(
     block_sizes: BlockSizes | None = None,
     hop_format: str | None = None,
     impl: str = "auto",
+    bias: Float[Array, "..."] | None = None,
 ) -> AttentionOutput:
     """Exact attention on global arrays whose sequence is sharded over a mesh axis.
 
@@ -252,6 +253,9 @@ def sharded_attention(
         interpret mode on CPU, slow, not under ``jax.checkpoint``) for every ring hop (``"ring"``, ``"usp"``, forward and backward) and for
         the local attention of ``"allgather"`` and ``"ulysses"``. ``block_sizes`` None then
         takes the Pallas defaults. Not with ``hop_format``.
+      bias: must be None: this path takes no logit bias (ValueError, naming the
+        single-device functions that take one: ringattn.blockwise_attention,
+        ringattn.attention_reference, ringattn.dot_product_attention).
 
     Returns:
       :class:`ringattn.AttentionOutput`: ``out [B, T, N, H]`` in ``q.dtype`` and layout
@@ -287,6 +291,7 @@ def sharded_attention(
       "DeepSpeed Ulysses", 2023; Fang & Zhao, "USP: A Unified Sequence Parallelism Approach",
       2024; Llama 3 team, "The Llama 3 Herd of Models" (context parallelism), 2024.
     """
+    refuse_bias(_FN, bias)
     q, scale = fold_traced_scale(_FN, q, scale)
     (B, T, S, N, K, H), spec, seg, pos = prepare(
         _FN,
