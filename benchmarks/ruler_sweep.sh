@@ -6,7 +6,8 @@
 #
 #     nohup bash benchmarks/ruler_sweep.sh > ruler_sweep.log 2>&1 &
 #
-# SAMPLES (default 2) and LENGTH (default 4096) may be set in the environment; OUT is the file.
+# SAMPLES (default 2) and LENGTH (default 4096) may be set in the environment; OUT is the file;
+# STAGES (default "1 2 3 4 5 6 7") picks the stages below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/ruler/sweep4k.jsonl}
@@ -14,29 +15,51 @@ N=${SAMPLES:-2}
 LEN=${LENGTH:-4096}
 ALL=none,recency,streaming,h2o,snapkv,tova,scissorhands,pyramidkv,adakv
 RATIOS=0.25,0.5,0.75,0.9
+STAGES=" ${STAGES:-1 2 3 4 5 6 7} "
+stage() { [[ "$STAGES" == *" $1 "* ]]; }
 run() { python -m benchmarks.bench_ruler --length "$LEN" --samples "$N" --seed 0 --out "$OUT" "$@" | grep '^{' || true; }
 
 # 1. Every press at kvpress's ratios, question-agnostic, pages of 16 (the retrieval tasks first).
-for task in niah_single niah_multikey variable_tracking niah_multivalue; do
-  run --task "$task" --press "$ALL" --ratio "$RATIOS"
-done
-# 2. Every KV format at full budget and with SnapKV keeping 50%.
-for fmt in int8 fp8 int4 kivi2; do
-  for task in niah_single niah_multikey; do
-    run --task "$task" --press none,snapkv --ratio 0.5 --kv-format "$fmt"
+if stage 1; then
+  for task in niah_single niah_multikey variable_tracking niah_multivalue; do
+    run --task "$task" --press "$ALL" --ratio "$RATIOS"
   done
-done
+fi
+# 2. Every KV format at full budget and with SnapKV keeping 50%.
+if stage 2; then
+  for fmt in int8 fp8 int4 kivi2; do
+    for task in niah_single niah_multikey; do
+      run --task "$task" --press none,snapkv --ratio 0.5 --kv-format "$fmt"
+    done
+  done
+fi
 # 3. Query-aware: the question is in the prefill, the press sees it.
-for task in niah_single niah_multikey; do
-  run --task "$task" --press none,streaming,h2o,snapkv,tova --ratio 0.5,0.9 --mode aware
-done
+if stage 3; then
+  for task in niah_single niah_multikey; do
+    run --task "$task" --press none,streaming,h2o,snapkv,tova --ratio 0.5,0.9 --mode aware
+  done
+fi
 # 4. The page size: token granularity against pages of 64.
-for ps in 1 64; do
-  run --task niah_single --press none,streaming,h2o,snapkv --ratio 0.5,0.9 --page-size "$ps"
-done
+if stage 4; then
+  for ps in 1 64; do
+    run --task niah_single --press none,streaming,h2o,snapkv --ratio 0.5,0.9 --page-size "$ps"
+  done
+fi
 # 5. Demote-and-fetch instead of drop (exact: the bytes moved are the price).
-run --task niah_single --press snapkv,streaming --ratio 0.5,0.9 --residency demote
-# 6. The remaining tasks.
-for task in niah_multiquery common_words; do
-  run --task "$task" --press "$ALL" --ratio "$RATIOS"
-done
+if stage 5; then
+  run --task niah_single --press snapkv,streaming --ratio 0.5,0.9 --residency demote
+fi
+# 6. The remaining tasks, with the presses that stage 1 separates (their answers are 48-64
+#    tokens long: the whole press list would double the sweep's time).
+if stage 6; then
+  for task in niah_multiquery common_words; do
+    run --task "$task" --press none,streaming,h2o,snapkv,adakv --ratio 0.5,0.9
+  done
+fi
+# 7. Query-aware page retrieval (issue 31): every decode step reads only the pages its query
+#    selects; --ratio is the fraction of the KV bytes NOT read (0.9: 10% read).
+if stage 7; then
+  for task in niah_single niah_multikey variable_tracking; do
+    run --task "$task" --press none,retrieval --ratio 0.8,0.9,0.95,0.98,0.99
+  done
+fi
