@@ -224,8 +224,10 @@ def select_adaptive(pre: Prefilled, kind: str, ratio: float, *, num_kv_heads: in
 
     * ``"pyramidkv"`` (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on
       Pyramidal Information Funneling"): layer ``l`` keeps a budget falling linearly from the
-      first layer to the last, the last keeping ``1 / beta`` of the mean, the total unchanged;
-      every head of a layer keeps the same pages.
+      first layer to the last, the last keeping ``1 / beta`` of the mean, the total unchanged
+      (when the first layer's share would pass the live pages, it keeps them all and the last
+      layer's share rises to keep the total, as kvpress's ``PyramidKVPress`` does); every head
+      of a layer keeps the same pages.
     * ``"adakv"`` (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
       Allocation"): each layer's budget (the mean) is shared among its heads by one top-k
       over all of them, each head keeping at least ``floor`` of the mean (Ada-KV's safeguard).
@@ -253,6 +255,9 @@ def select_adaptive(pre: Prefilled, kind: str, ratio: float, *, num_kv_heads: in
     if kind == "pyramidkv":
         low = mean / beta
         high = 2 * mean - low
+        if high > n_live:  # kvpress's rule: the first layer keeps everything, the total stays
+            high = n_live
+            low = 2 * mean - high
         budgets = np.rint(high - (high - low) * np.arange(L) / max(L - 1, 1)).astype(int)
         for l in range(L):
             top = np.argsort(-scores[l].sum(0), kind="stable")[: min(max(budgets[l], recent), n_live)]  # fmt: skip

@@ -547,6 +547,11 @@ def test_adaptive_presses_budgets_and_answers_against_masked_dense(pressed, kind
     if kind == "pyramidkv":
         assert (keep == keep[:, :1]).all()  # heads of a layer agree
         assert per_layer_head[0, 0] >= per_layer_head[-1, 0]  # the pyramid
+        # The total is the mean budget per layer, also when the first layer's share is
+        # capped at the live pages (a small ratio removed).
+        light = press.select_adaptive(pre, kind, 0.1, num_kv_heads=TINY.num_kv_heads, recent=1)
+        assert light[0, 0, :6].all()  # the first layer keeps every live page
+        assert abs(int(light[:, 0].sum()) - round(0.9 * 6) * L) <= L // 2 + 1  # rounding per layer
     else:
         assert (per_layer_head.sum(1) == 3 * K).all()  # each layer: the mean budget (3) x heads
         assert (per_layer_head >= 1).all()
