@@ -13,55 +13,20 @@ int4      ``[*lead, C, H // 2]`` u8   ``[*lead, C, H // g]`` bf16  group of ``g`
 ========  ==========================  ==========================  =====================
 
 A scale page sits beside its value page (same page id, so the null page 0 and the page table
-are shared). Each kind's encoding and decoding live in one small codec (``_CODECS``).
+are shared).
 
-Semantics of int8 / fp8 (one token of one kv head, ``x [H]`` in float32; every step is a
-float32 operation rounded to nearest even, in this order, and ``tests/paged/test_codec_docs.py``
-checks the stored bits against these words rewritten in numpy):
+The format is a :class:`ringattn.KVFormat` (``paged.KVFormat`` is the same class), and each
+kind's bits are its codec, :meth:`KVFormat.encode` / :meth:`KVFormat.decode`: the one ring hops
+use too, so a page and a ring hop store the same token as the same bytes. The rules, their
+edge cases (all-zero, sub-normal and NaN / inf tokens) and their error bounds are in
+``ringattn._formats`` and the docs' "Quantized KV" page; ``tests/paged/test_codec_docs.py``
+checks the stored bits against those words rewritten in numpy. kivi2's codec (per channel
+over a page for keys) is :mod:`paged._kivi_codec`, its window :mod:`paged._kivi`.
 
-* ``absmax = max(|x|)``, ``scale = absmax * r`` with ``r = float32(1 / QMAX)`` (``QMAX = 127``
-  for int8, 448 for fp8; a multiplication, as XLA compiles a division by a constant);
-* ``y = clip(x * float32(1 / scale), -QMAX, QMAX)``: the reciprocal first, then the product
-  (not ``x / scale``, which differs in about one element in 10^5);
-* ``data = round(y)`` half to even, as int8; or ``y`` cast to ``float8_e4m3fn`` (round to
-  nearest even, as ``ml_dtypes`` casts) for fp8;
-* decoding is ``data.astype(float32) * scale``, always float32.
-
-Semantics of int4 (``KVFormat("int4", group_size=g)``, default ``g = 32``): each token's ``[H]``
-vector is cut into ``H // g`` groups of ``g`` consecutive values; per group,
-
-* ``scale = bfloat16(absmax * float32(1 / 7))``, rounded to the nearest bfloat16 (8
-  significant bits, ties to even);
-* ``q = clip(round(x * float32(1 / float32(scale))), -7, 7)``, round half to even, then the
-  symmetric clip (``x / scale`` stays below ``7 * (1 + 2**-8)``, so the clip costs at most
-  ``absmax * 2**-8``); ``-8`` is never written (a stored ``-8`` nibble, e.g. garbage, decodes
-  to ``-8 * scale``);
-* two levels per byte along ``H``: value ``2i`` in the low nibble of byte ``i``, value
-  ``2i + 1`` in the high nibble, each as 4-bit two's complement (``data`` uint8);
-* decoding is ``q.astype(float32) * scale.astype(float32)``, one group at a time.
-
-``H`` must be a multiple of ``g`` (so even): ``init_paged_cache`` and ``quantize_pages`` raise
-``ValueError`` otherwise, including when ``H < g`` (choose ``group_size=H`` or a divisor).
-
-int8 / fp8 / int4: an all-zero token (group) gets ``scale = 0`` and ``data = 0`` and decodes
-to exact zeros; so does one whose float32 scale ``absmax * r`` is below ``2**-126`` (float32's
-smallest normal), on every backend. A token (int4: a group) holding NaN or inf gets ``scale = NaN`` and ``data = 0``: it
-decodes to NaN (inf is not representable), so it propagates to the rows that see it, as a NaN
-does in a float pool. :func:`paged.validate` rejects such a token in a readable slot loudly.
-Slots no query may see are removed by a select in every path, NaN scales included.
-
-Bound per element: int8 ``|x - x'| <= absmax / 254``; fp8 ``|x - x'| <= |x| / 16 +
-absmax / 448 * 2**-10`` (3 mantissa bits; the second term covers e4m3's subnormals); int4
-``|x - x'| <= group_absmax / 14 * (1 + 2**-8)`` (half a level; the factor is the bfloat16
-rounding of the scale). So a constant token does not decode exactly (``1.0`` comes back as
-``0.998``), unlike int8 / fp8. Plus float32 rounding of the scale and the
-product. A token (group) whose scale would be below float32's smallest normal (``absmax < QMAX
-* 2**-126``, about 1.5e-36 for int8) stores zeros (XLA on CPU flushes subnormals, so every
-backend does the same): its error is below that.
-
-Bytes per token per kv head, for keys and for values: int8 / fp8 ``H + 4`` (one float32
-scale); int4 ``H / 2 + 2 * H / g`` (bfloat16 scales): 72 at ``H = 128, g = 32``, 0.281 of
-bfloat16's 256 (float32 scales would give 80, 0.3125).
+A token (int4: a group) holding NaN or inf decodes to NaN, so it propagates to the rows that
+see it, as a NaN does in a float pool; :func:`paged.validate` rejects such a token in a
+readable slot loudly. Slots no query may see are removed by a select in every path, NaN
+scales included.
 """
 
 import dataclasses
@@ -69,11 +34,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 from jaxtyping import Array, Float
 
 from paged import _kivi_codec
+from ringattn import KVFormat
 
 __all__ = [
     "KVFormat",
@@ -86,290 +50,6 @@ __all__ = [
     "set_tokens",
     "take_decoded",
 ]
-
-_TINY = 2.0**-126  # float32's smallest normal: smaller scales are flushed, the token stores 0
-
-
-def _absmax_scale(x, qmax, axis=-1):
-    """``(scale, keep)`` of float32 ``x``: ``absmax / qmax`` along ``axis`` (NaN where the
-    vector holds NaN / inf) and whether the vector stores non-zero levels. The NaN comes from
-    a count of non-finite values: XLA:CPU's max reduction drops NaN in larger arrays."""
-    absmax = jnp.max(jnp.abs(x), axis=axis)
-    finite = ~_kivi_codec.nonfinite(x, axis) & jnp.isfinite(absmax)
-    # The documented rule, spelled as it runs: XLA rewrites a division by a constant into a
-    # multiplication by its float32 reciprocal, so say so here.
-    scale = jnp.where(finite, absmax * reciprocal(qmax), jnp.nan)
-    keep = finite & (scale >= _TINY)
-    # Below float32's smallest normal the scale is 0 on every backend (XLA:CPU flushes it).
-    return jnp.where(finite & ~keep, 0.0, scale), keep
-
-
-def reciprocal(q: float):
-    """``float32(1 / q)``, correctly rounded: the factor the documented rules multiply by."""
-    return np.float32(1.0) / np.float32(q)
-
-
-class _PerTokenCodec:
-    """int8 / fp8: one float32 absmax scale per ``[H]`` vector, ``data`` of ``x``'s shape."""
-
-    def __init__(self, storage_dtype, qmax: float, rounds: bool):
-        self.storage_dtype, self.scale_dtype = jnp.dtype(storage_dtype), jnp.dtype(jnp.float32)
-        self.qmax, self.rounds = qmax, rounds
-
-    def data_shape(self, shape, group_size):
-        return tuple(shape)
-
-    def scale_shape(self, shape, group_size, grouping="token"):
-        return tuple(shape[:-1])
-
-    def float_shape(self, data_shape, group_size):
-        return tuple(data_shape)
-
-    def bytes_per_token(self, H, group_size):
-        return H * self.storage_dtype.itemsize + 4
-
-    def encode(self, x, group_size):
-        scale, keep = _absmax_scale(x, self.qmax)
-        # Divide by the scale, not by absmax: XLA computes x / y as x * (1 / y), and 1 / absmax
-        # is subnormal (flushed to zero on CPU) for absmax > 2**126, while 1 / scale is not.
-        # x * (1 / scale), spelled out: XLA rewrites x / broadcast(scale) into exactly this.
-        scaled = x * (1.0 / jnp.where(keep, scale, 1.0))[..., None]
-        scaled = jnp.clip(scaled, -self.qmax, self.qmax)
-        if self.rounds:
-            scaled = jnp.round(scaled)
-        data = jnp.where(keep[..., None], scaled, 0.0).astype(self.storage_dtype)
-        return data, scale
-
-    def decode(self, data, scale, group_size):
-        return data.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
-
-
-class _Int4Codec:
-    """int4: symmetric levels -7..7, two per byte along H, a bfloat16 scale per group."""
-
-    storage_dtype = jnp.dtype(jnp.uint8)
-    scale_dtype = jnp.dtype(jnp.bfloat16)
-    qmax = 7.0
-
-    def data_shape(self, shape, group_size):
-        return (*shape[:-1], shape[-1] // 2)
-
-    def scale_shape(self, shape, group_size, grouping="token"):
-        return (*shape[:-1], shape[-1] // group_size)
-
-    def float_shape(self, data_shape, group_size):
-        return (*data_shape[:-1], 2 * data_shape[-1])
-
-    def bytes_per_token(self, H, group_size):
-        return H // 2 + 2 * (H // group_size)
-
-    def encode(self, x, group_size):
-        *lead, H = x.shape
-        groups = x.reshape(*lead, H // group_size, group_size)  # [..., H / g, g]
-        scale, keep = _absmax_scale(groups, self.qmax)
-        # Round to nearest: a scale >= 2**-126 stays >= 2**-126 (a bfloat16 normal).
-        scale = scale.astype(jnp.bfloat16)
-        inverse = 1.0 / jnp.where(keep, scale.astype(jnp.float32), 1.0)[..., None]
-        levels = jnp.clip(jnp.round(groups * inverse), -self.qmax, self.qmax)
-        levels = jnp.where(keep[..., None], levels, 0.0).astype(jnp.int8).reshape(*lead, H)
-        nibbles = lax.bitcast_convert_type(levels, jnp.uint8) & jnp.uint8(0xF)
-        data = nibbles[..., 0::2] | (nibbles[..., 1::2] << jnp.uint8(4))  # [..., H / 2]
-        return data, scale
-
-    def decode(self, data, scale, group_size):
-        *lead, half = data.shape
-        signed = lax.bitcast_convert_type(data, jnp.int8)
-        low = lax.bitcast_convert_type(data << jnp.uint8(4), jnp.int8) >> jnp.int8(4)
-        high = signed >> jnp.int8(4)  # arithmetic shifts: the nibbles' two's complement
-        levels = jnp.stack([low, high], axis=-1).astype(jnp.float32)  # [..., H / 2, 2]
-        levels = levels.reshape(*lead, -1, group_size)  # [..., H / g, g]
-        return (levels * scale.astype(jnp.float32)[..., None]).reshape(*lead, 2 * half)
-
-
-class _Kivi2Codec:
-    """kivi2 (see :mod:`paged._kivi`): 2-bit codes, four per byte along H, bfloat16 scale and
-    zero per channel over each key page / per value token; written through ``paged.write``."""
-
-    storage_dtype = jnp.dtype(jnp.uint8)
-    scale_dtype = jnp.dtype(jnp.bfloat16)
-    qmax = 3.0
-
-    def data_shape(self, shape, group_size):
-        return (*shape[:-1], shape[-1] // 4)
-
-    def scale_shape(self, shape, group_size, grouping="token"):
-        return (*shape[:-2], shape[-1]) if grouping == "channel" else tuple(shape[:-1])
-
-    def float_shape(self, data_shape, group_size):
-        return (*data_shape[:-1], 4 * data_shape[-1])
-
-    def bytes_per_token(self, H, group_size, page_size):
-        return (H / 4 + 4 * H / page_size + H / 4 + 4) / 2
-
-    def encode(self, x, group_size):
-        raise ValueError("kivi2 pages are written through paged.write / write_layer / append")
-
-
-_CODECS = {
-    "int8": _PerTokenCodec(jnp.int8, 127.0, rounds=True),
-    "fp8": _PerTokenCodec(jnp.float8_e4m3fn, 448.0, rounds=False),
-    "int4": _Int4Codec(),
-    "kivi2": _Kivi2Codec(),
-}
-_PLANNED = ()
-_GROUPED = ("int4",)  # kinds that read group_size
-_DEFAULT_GROUP = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class KVFormat:
-    """How KV pages are stored: a frozen, hashable config (a static ``jit`` argument).
-
-    Attributes:
-      kind: ``"int8"`` (symmetric, 127 levels each side) or ``"fp8"`` (``float8_e4m3fn``),
-        both with one float32 absmax scale per token per kv head; or ``"int4"`` (symmetric
-        levels -7..7, two per byte, one bfloat16 absmax scale per group of ``group_size``
-        values along ``H``); or ``"kivi2"`` (KIVI-style 2-bit: keys per channel over each page,
-        values per token, bfloat16 scale and zero-point, the most recent tokens of each
-        sequence in float32; see :mod:`paged._kivi`).
-      group_size: int4's group along ``H`` (a positive even int, default 32; ``H`` must be a
-        multiple of it). The other kinds have no groups and require the default (so that
-        equal formats compare equal).
-      residual: kivi2's full-precision window, in tokens (a non-negative int, default 0):
-        reads take the most recent ``residual`` tokens of each sequence, rounded up to whole
-        pages, plus the page that is still filling, from a float32 window of
-        ``residual_pages(C) = ceil(residual / C) + 1`` pages per sequence (so at least
-        ``residual`` and fewer than ``residual + C`` tokens are exact). ``0``: the open page
-        only. Other kinds require 0.
-
-    Raises:
-      ValueError: if ``kind`` is not a known format name, ``group_size`` is not a positive
-        even int (or differs from the default for a kind without groups), or ``residual`` is
-        not a non-negative int (or is set for a kind other than kivi2).
-      NotImplementedError: for a planned but not yet supported kind.
-
-    Example:
-      >>> KVFormat("int8").storage_dtype, KVFormat("fp8").qmax, KVFormat("int4").scale_dtype
-      (dtype('int8'), 448.0, dtype(bfloat16))
-      >>> KVFormat("int4").bytes_per_token(128), KVFormat("int8").bytes_per_token(128)
-      (72, 132)
-      >>> KVFormat("kivi2", residual=128).residual_pages(16), KVFormat("kivi2").tag
-      (9, 'kivi2')
-    """
-
-    kind: str
-    group_size: int = _DEFAULT_GROUP
-    residual: int = 0
-
-    def __post_init__(self):
-        known = sorted(_CODECS)
-        if not isinstance(self.kind, str):
-            raise ValueError(f"KVFormat: kind: expected one of {known}, got {self.kind!r}")
-        if self.kind in _PLANNED:
-            raise NotImplementedError(
-                f"KVFormat: kind: {self.kind!r} is not yet supported (supported: {known})"
-            )
-        if self.kind not in _CODECS:
-            raise ValueError(f"KVFormat: kind: expected one of {known}, got {self.kind!r}")
-        g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g <= 0 or g % 2:
-            raise ValueError(f"KVFormat: group_size: expected a positive even int, got {g!r}")
-        if self.kind not in _GROUPED and g != _DEFAULT_GROUP:
-            raise ValueError(
-                f"KVFormat: group_size: {self.kind!r} has one scale per token (no groups): "
-                f"leave group_size at its default {_DEFAULT_GROUP}, got {g!r}"
-            )
-        object.__setattr__(self, "group_size", int(g))
-        r = self.residual
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
-            raise ValueError(f"KVFormat: residual: expected a non-negative int, got {r!r}")
-        if self.kind != "kivi2" and r != 0:
-            raise ValueError(
-                f"KVFormat: residual: only kivi2 keeps a full-precision window: leave residual "
-                f"at 0 for {self.kind!r}, got {r!r}"
-            )
-        object.__setattr__(self, "residual", int(r))
-
-    def residual_pages(self, page_size: int) -> int:
-        """kivi2: pages of the float32 window per sequence, ``ceil(residual / C) + 1`` (the
-        open page and the most recent full pages); 0 for the other kinds."""
-        if self.kind != "kivi2":
-            return 0
-        C = int(page_size)
-        return -(-self.residual // C) + 1
-
-    @property
-    def _codec(self):
-        return _CODECS[self.kind]
-
-    @property
-    def storage_dtype(self) -> np.dtype:
-        """The dtype of ``QuantizedPages.data`` (int8, float8_e4m3fn, uint8 for int4)."""
-        return self._codec.storage_dtype
-
-    @property
-    def scale_dtype(self) -> np.dtype:
-        """The dtype of ``QuantizedPages.scale`` (float32; bfloat16 for int4)."""
-        return self._codec.scale_dtype
-
-    @property
-    def qmax(self) -> float:
-        """Largest magnitude of a stored level: ``scale = absmax / qmax`` (127, 448, 7)."""
-        return self._codec.qmax
-
-    @property
-    def tag(self) -> str:
-        """A name that identifies the format: the kind, plus ``-g{group_size}`` for int4 and
-        ``-r{residual}`` for a kivi2 window of ``residual > 0`` tokens."""
-        if self.kind in _GROUPED:
-            return f"{self.kind}-g{self.group_size}"
-        return f"{self.kind}-r{self.residual}" if self.residual else self.kind
-
-    def check_head_dim(self, fn: str, name: str, head_dim: int) -> None:
-        """Raises ``ValueError`` (naming ``fn`` and ``name``) unless this format stores ``H``."""
-        if self.kind == "kivi2" and int(head_dim) % 4:
-            raise ValueError(
-                f"{fn}: {name}: kivi2 packs 4 codes a byte: expected H % 4 == 0, got H={head_dim}"
-            )
-        if self.kind in _GROUPED and int(head_dim) % self.group_size:
-            raise ValueError(
-                f"{fn}: {name}: expected a head dim H divisible by the {self.kind} group_size "
-                f"{self.group_size}, got H={head_dim} (pass KVFormat({self.kind!r}, "
-                f"group_size=...) with a divisor of H)"
-            )
-
-    def data_shape(self, shape) -> tuple[int, ...]:
-        """The shape of ``data`` for a float pool of ``shape`` ``[..., C, H]``."""
-        return self._codec.data_shape(tuple(shape), self.group_size)
-
-    def scale_shape(self, shape, grouping: str = "token") -> tuple[int, ...]:
-        """The shape of ``scale`` (and kivi2's ``zero``) for a float pool of ``shape``:
-        ``[..., C]``, ``[..., C, H/g]`` (int4), or ``[..., P, H]`` for kivi2 keys
-        (``grouping="channel"``)."""
-        return self._codec.scale_shape(tuple(shape), self.group_size, grouping)
-
-    def float_shape(self, data_shape) -> tuple[int, ...]:
-        """The float pool's shape ``[..., C, H]`` from the shape of ``data``."""
-        return self._codec.float_shape(tuple(data_shape), self.group_size)
-
-    @property
-    def codes_per_byte(self) -> int:
-        """Stored values per byte of ``data`` along ``H``: 1 (int8, fp8), 2 (int4), 4 (kivi2)."""
-        return {"int4": 2, "kivi2": 4}.get(self.kind, 1)
-
-    def bytes_per_token(self, head_dim: int, page_size: int | None = None) -> int | float:
-        """Bytes one token takes per kv head, for keys or for values, scales included.
-
-        int8 / fp8: ``H * itemsize + 4``; int4: ``H / 2 + 2 * H / group_size``. kivi2 (needs
-        ``page_size`` ``C``): keys ``H / 4 + 4 H / C``, values ``H / 4 + 4``, averaged; the
-        float32 residual window of each sequence is per sequence, not per token, and not
-        counted.
-        """
-        if self.kind == "kivi2":
-            if page_size is None:
-                raise ValueError("KVFormat.bytes_per_token: kivi2 needs page_size")
-            return self._codec.bytes_per_token(int(head_dim), self.group_size, int(page_size))
-        return int(self._codec.bytes_per_token(int(head_dim), self.group_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,14 +159,13 @@ def is_quantized(x) -> bool:
 
 
 def quantize_values(x, kv_format: KVFormat):
-    """``(data, scale)`` of float ``x [..., H]`` in ``kv_format`` (see module docs)."""
-    x = jnp.asarray(x).astype(jnp.float32)
-    return kv_format._codec.encode(x, kv_format.group_size)
+    """``(data, scale)`` of float ``x [..., H]``: ``kv_format.encode`` (the shared codec)."""
+    return kv_format.encode(jnp.asarray(x))
 
 
 def dequantize_block(data, scale, kv_format: KVFormat):
     """The float32 ``[..., H]`` values that ``data`` and ``scale`` of ``kv_format`` encode."""
-    return kv_format._codec.decode(data, scale, kv_format.group_size)
+    return kv_format.decode(data, scale)
 
 
 def quantize_pages(

@@ -42,10 +42,14 @@ Per shard inside ``shard_map``: :func:`ring_attention_per_shard`,
 ``out_shape`` of a ``pallas_call`` under ``check_vma=True``), and the load-balanced sequence layouts :data:`LAYOUTS`
 (:func:`to_layout`, :func:`from_layout`, :func:`shard_positions`).
 
-Quantized ring hops (``hop_format="int8"`` / ``"fp8"`` on the ring and USP): K/V travel as
-per-token, per-kv-head absmax-quantized values with float32 scales (:func:`quantize_hop`,
-:func:`dequantize_hop`, :func:`hop_bytes`); the result is exact attention over the dequantized
-K/V, with straight-through ``dk``/``dv``.
+KV formats: :class:`KVFormat` (int8, fp8, int4, kivi2) is the one vocabulary for how keys and
+values are stored or sent, with one codec per format (:meth:`KVFormat.encode` /
+:meth:`KVFormat.decode`); ``paged.KVFormat`` is the same class. Quantized ring hops
+(``hop_format=KVFormat("int8")`` / ``KVFormat("fp8")``, or the shorthand ``"int8"`` /
+``"fp8"``, on the ring and USP): K/V travel as per-token, per-kv-head absmax-quantized values
+with float32 scales (:func:`quantize_hop`, :func:`dequantize_hop`, :func:`hop_bytes`), the same
+bytes a page of that format stores; the result is exact attention over the dequantized K/V,
+with straight-through ``dk``/``dv``.
 
 On global arrays over a mesh: :func:`sharded_attention` (ring / all-gather / Ulysses / USP)
 and :func:`sharded_decode_attention` (decode over a sequence-sharded KV cache, tree attention).
@@ -64,6 +68,7 @@ from ringattn._decode import (
     sharded_decode_attention,
 )
 from ringattn._dense_mask import DenseMask
+from ringattn._formats import KVFormat
 from ringattn._hop_format import HOP_FORMATS, QuantizedHop, dequantize_hop, quantize_hop
 from ringattn._layout import LAYOUTS, from_layout, shard_positions, to_layout
 from ringattn._nn_api import dot_product_attention
@@ -114,7 +119,8 @@ __all__ = [
     "varying_axes",
     "varying_struct",
     "ring_attention_per_shard",
-    # quantized ring hops
+    # KV formats and quantized ring hops
+    "KVFormat",
     "HOP_FORMATS",
     "QuantizedHop",
     "dequantize_hop",

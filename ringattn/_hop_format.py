@@ -6,23 +6,19 @@ through ``ppermute`` instead of the input dtype, and every block (the local one 
 dequantized to float32 right before its block computation. The result is exact attention over
 ``dequantize_hop(quantize_hop(k))``, ``dequantize_hop(quantize_hop(v))``.
 
-Formats (absmax over the head dim ``H`` of one token and kv head; ``x`` in float32, each
-step a float32 operation rounded to nearest even, in this order; ``QMAX`` 127 or 448):
-``scale = absmax * float32(1 / QMAX)``, ``y = x * float32(1 / scale)`` (the reciprocal
-first, then the product; not ``x / scale``), then
-
-* ``"int8"``: ``data = clip(round(y), -127, 127)``, round half to even, then the clip: a hop
-  of ``H + 4`` bytes per token and kv head instead of ``4 H`` (float32) or ``2 H`` (bf16);
-  error at most ``scale / 2 = absmax / 254`` per element.
-* ``"fp8"``: ``data = clip(y, -448, 448)`` cast to ``float8_e4m3fn`` (round to nearest even;
-  448 is its largest finite value): the same bytes, a relative error of at most ``2**-4``
-  per element (3 mantissa bits) above the format's subnormal range.
-
-``tests/paged/test_codec_docs.py`` rewrites these words in numpy and checks the bits.
-An all-zero token, or one whose scale would be below ``2**-126`` (float32's smallest
-normal), gets ``scale = 0`` and data 0 and dequantizes to exact zeros. A token whose row holds
-NaN or inf gets a NaN scale and data 0, and dequantizes to NaN across its whole row (that
-token and kv head only), at any array size; a key no query may see still has no effect.
+The hop format is a :class:`ringattn.KVFormat` of a per-token kind, ``KVFormat("int8")`` or
+``KVFormat("fp8")`` (``paged.KVFormat`` is the same class); the strings ``"int8"`` and
+``"fp8"`` are shorthand for them, as a dtype name is for a dtype. Its codec is the one the
+quantized KV pages use (:meth:`KVFormat.encode` / :meth:`KVFormat.decode`, rules in
+``ringattn._formats``), so a ring hop and a page store the same token as the same bytes:
+``scale = absmax * float32(1 / QMAX)`` per token and kv head (QMAX 127 or 448), data
+``x * float32(1 / scale)`` clipped to ``±QMAX``, rounded half to even for int8 or cast to
+``float8_e4m3fn`` for fp8, ``H + 4`` bytes per token and kv head instead of ``4 H`` (float32)
+or ``2 H`` (bf16). An all-zero token, or one whose scale would be below ``2**-126``, gets
+``scale = 0`` and dequantizes to exact zeros; a token whose row holds NaN or inf gets a NaN
+scale and dequantizes to NaN across its row (that token and kv head only); a key no query may
+see still has no effect. ``tests/paged/test_codec_docs.py`` rewrites the rules in numpy and
+checks the bits. int4 and kivi2 (grouped scales, per-page channels) do not travel in hops.
 
 Gradients are straight-through: the backward ring sends the same quantized K/V (and float32
 dK/dV accumulators, unquantized), so ``dq`` is the exact gradient of attention over the
@@ -37,23 +33,37 @@ import numpy as np
 from jaxtyping import Array, Float, Shaped
 
 from ringattn._checks import describe, fail
+from ringattn._formats import KVFormat
 
 __all__ = ["HOP_FORMATS", "QuantizedHop", "check_hop_format", "dequantize_hop", "quantize_hop"]
 
+#: The :class:`KVFormat` kinds a ring hop carries; each name is also accepted as shorthand
+#: for ``KVFormat(name)`` wherever a ``hop_format`` is taken.
 HOP_FORMATS = ("int8", "fp8")
 
-# format -> (storage dtype, largest magnitude the scale maps the absmax to)
-_FORMATS = {
-    "int8": (jnp.int8, 127.0),
-    "fp8": (jnp.float8_e4m3fn, 448.0),
-}
 
-
-def check_hop_format(fn: str, hop_format) -> str | None:
-    """``None`` or one of :data:`HOP_FORMATS`, else ``ValueError`` naming ``fn``."""
-    if hop_format is None or (isinstance(hop_format, str) and hop_format in HOP_FORMATS):
+def check_hop_format(fn: str, hop_format) -> KVFormat | None:
+    """``None`` or the :class:`KVFormat` of a ``hop_format`` (a KVFormat of a kind in
+    :data:`HOP_FORMATS`, or one of those names); ``ValueError`` for anything else,
+    ``NotImplementedError`` for a KVFormat whose kind hops do not carry."""
+    if hop_format is None:
+        return None
+    if isinstance(hop_format, str) and hop_format in HOP_FORMATS:
+        return KVFormat(hop_format)
+    if isinstance(hop_format, KVFormat):
+        if hop_format.kind not in HOP_FORMATS:
+            raise NotImplementedError(
+                f"{fn}: hop_format: ring hops carry the per-token formats {HOP_FORMATS}, got "
+                f"{hop_format!r}; quantize pages with it (paged.init_paged_cache(kv_format=)) "
+                "or pass hop_format=KVFormat('int8') or KVFormat('fp8')"
+            )
         return hop_format
-    raise fail(fn, "hop_format", f"None or one of {HOP_FORMATS}", describe(hop_format))
+    raise fail(
+        fn,
+        "hop_format",
+        f"None or one of {HOP_FORMATS} (shorthand for ringattn.KVFormat(name)), or such a KVFormat",
+        describe(hop_format),
+    )
 
 
 class QuantizedHop(NamedTuple):
@@ -68,23 +78,26 @@ class QuantizedHop(NamedTuple):
     scale: Float[Array, "*rows"]
 
 
-def quantize_hop(x: Float[Array, "*rows H"], *, hop_format: str) -> QuantizedHop:
+def quantize_hop(x: Float[Array, "*rows H"], *, hop_format: KVFormat | str) -> QuantizedHop:
     """Per-row absmax quantization over the last axis (the head dim), as a ring hop sends it.
 
     Args:
       x: ``[..., H]`` floating keys or values, e.g. ``[B, S, K, H]``; each row of ``H`` values
         (one token, one kv head) gets its own scale.
-      hop_format: ``"int8"`` (``scale = absmax * float32(1 / 127)``, ``x * float32(1 /
-        scale)`` rounded half to even, clipped to ``±127``) or ``"fp8"`` (``scale = absmax *
-        float32(1 / 448)``, ``x * float32(1 / scale)`` clipped to ``±448``, cast to
-        ``float8_e4m3fn``, round to nearest even). See the module docs.
+      hop_format: ``KVFormat("int8")`` (``scale = absmax * float32(1 / 127)``, ``x *
+        float32(1 / scale)`` clipped to ``±127``, rounded half to even) or
+        ``KVFormat("fp8")`` (``scale = absmax * float32(1 / 448)``, ``x * float32(1 /
+        scale)`` clipped to ``±448``, cast to ``float8_e4m3fn``, round to nearest even), or
+        the shorthand ``"int8"`` / ``"fp8"``: the same bits as ``hop_format.encode(x)`` and
+        as a page of that format. See the module docs.
 
     Returns:
       :class:`QuantizedHop` ``(data [..., H], scale [...] float32)``.
 
     Raises:
-      ValueError: ``hop_format`` not one of :data:`HOP_FORMATS`, or ``x`` not a floating
-        array of rank >= 1.
+      ValueError: ``hop_format`` not a KVFormat or name of :data:`HOP_FORMATS`, or ``x``
+        not a floating array of rank >= 1.
+      NotImplementedError: a KVFormat of a kind hops do not carry (int4, kivi2).
 
     Example:
       >>> import jax.numpy as jnp
@@ -93,31 +106,17 @@ def quantize_hop(x: Float[Array, "*rows H"], *, hop_format: str) -> QuantizedHop
       ([[127, -64], [0, 0]], [0.007874015718698502, 0.0])
     """
     fn = "quantize_hop"
-    if check_hop_format(fn, hop_format) is None:
-        raise fail(fn, "hop_format", f"one of {HOP_FORMATS}", "None")
+    hop_format = check_hop_format(fn, hop_format)
+    if hop_format is None:
+        raise fail(fn, "hop_format", f"one of {HOP_FORMATS} or its KVFormat", "None")
     if not hasattr(x, "dtype") or x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise fail(fn, "x", "a floating array [..., H]", describe(x))
     return quantize_rows(x, hop_format)
 
 
-def quantize_rows(x, hop_format: str) -> QuantizedHop:
-    """:func:`quantize_hop` on validated inputs (traceable, any floating dtype)."""
-    dtype, top = _FORMATS[hop_format]
-    x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) * (np.float32(1.0) / np.float32(top))
-    # A row holding NaN / inf gets a NaN scale, from a count of its non-finite values: XLA:CPU's
-    # max reduction drops NaN in larger arrays, so the max alone cannot be trusted to carry it.
-    bad = jnp.sum(~jnp.isfinite(x), axis=-1, dtype=jnp.int32) > 0
-    # Below float32's smallest normal the scale is 0 on every backend (XLA:CPU flushes it).
-    scale = jnp.where(bad, jnp.nan, jnp.where(scale < 2.0**-126, 0.0, scale))
-    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
-    y = jnp.where(
-        scale[..., None] > 0, x * (1.0 / safe), 0.0
-    )  # 0 in a NaN row: its scale carries it
-    if hop_format == "int8":
-        y = jnp.round(y)
-    y = jnp.clip(y, -top, top)  # NaN stays NaN (its scale is NaN too)
-    return QuantizedHop(y.astype(dtype), scale)
+def quantize_rows(x, hop_format: KVFormat) -> QuantizedHop:
+    """:func:`quantize_hop` on validated inputs: ``hop_format.encode`` (traceable)."""
+    return QuantizedHop(*hop_format.encode(x))
 
 
 def dequantize_hop(hop: QuantizedHop) -> Float[Array, "*rows H"]:
@@ -130,8 +129,9 @@ def dequantize_hop(hop: QuantizedHop) -> Float[Array, "*rows H"]:
       ``[..., H]`` float32.
 
     Raises:
-      ValueError: ``hop`` is not a QuantizedHop whose ``scale`` shape is ``data``'s without
-        its last axis.
+      ValueError: ``hop`` is not a QuantizedHop whose ``data`` is int8 or float8_e4m3fn (the
+        format it was quantized in) and whose ``scale`` shape is ``data``'s without its last
+        axis.
 
     Example:
       >>> import jax.numpy as jnp
@@ -142,18 +142,22 @@ def dequantize_hop(hop: QuantizedHop) -> Float[Array, "*rows H"]:
     fn = "dequantize_hop"
     if not isinstance(hop, QuantizedHop):
         raise fail(fn, "hop", "a ringattn.QuantizedHop", describe(hop))
+    kinds = {KVFormat(kind).storage_dtype: kind for kind in HOP_FORMATS}
+    kind = kinds.get(getattr(hop.data, "dtype", None))
+    if kind is None:
+        raise fail(fn, "hop.data", "an int8 or float8_e4m3fn array [..., H]", describe(hop.data))
     if tuple(hop.scale.shape) != tuple(hop.data.shape[:-1]):
         raise fail(fn, "hop.scale", f"shape {tuple(hop.data.shape[:-1])}", describe(hop.scale))
-    return dequantize_rows(hop.data, hop.scale)
+    return dequantize_rows(hop.data, hop.scale, KVFormat(kind))
 
 
-def dequantize_rows(data, scale):
-    """:func:`dequantize_hop` on validated arrays."""
-    return data.astype(jnp.float32) * scale[..., None]
+def dequantize_rows(data, scale, hop_format: KVFormat):
+    """:func:`dequantize_hop` on validated arrays: ``hop_format.decode`` (traceable)."""
+    return hop_format.decode(data, scale)
 
 
-def hop_row_bytes(head_dim: int, dtype, hop_format: str | None) -> int:
+def hop_row_bytes(head_dim: int, dtype, hop_format: KVFormat | None) -> int:
     """Bytes one token of one kv head (keys or values) takes in a hop."""
     if hop_format is None:
         return head_dim * np.dtype(dtype).itemsize
-    return head_dim * np.dtype(_FORMATS[hop_format][0]).itemsize + 4
+    return int(hop_format.bytes_per_token(head_dim))

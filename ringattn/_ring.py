@@ -18,8 +18,9 @@ other documents), folding the hop's keys into one running float32 online-softmax
   linear in the local shard.
 * With ``causal``, a sliding ``window`` and the ``"contiguous"`` layout, hops whose block lies
   outside every local query's window are neither computed nor communicated.
-* ``hop_format="int8"`` / ``"fp8"``: each device quantizes its K/V once (per token and kv
-  head, :mod:`ringattn._hop_format`), the packed buffer carries the quantized values and
+* ``hop_format=KVFormat("int8")`` / ``KVFormat("fp8")`` (or ``"int8"`` / ``"fp8"``): each
+  device quantizes its K/V once (per token and kv head, with the codec the pages use,
+  :mod:`ringattn._hop_format`), the packed buffer carries the quantized values and
   float32 scales instead of K/V in their dtype, and every block (the local one too) is
   dequantized to float32 before its compute: exact attention over the dequantized K/V, with
   straight-through ``dk``/``dv`` (the backward ring sends the same quantized K/V).
@@ -57,6 +58,7 @@ from ringattn._blockwise import (
     resolve_impl,
 )
 from ringattn._checks import FloatLike, IntLike, check_int, fail, refuse_bias
+from ringattn._formats import KVFormat
 from ringattn._heads_major import (
     attention_delta,
     kv_from_heads_major,
@@ -100,7 +102,7 @@ class _RingPlan:
     hops: int  # key blocks received from other devices: n - 1, or fewer with a window
     mask: MaskSpec
     block_sizes: BlockSizes
-    hop_format: str | None = None  # None: K/V travel in their dtype; "int8" / "fp8"
+    hop_format: KVFormat | None = None  # None: K/V travel in their dtype; int8 / fp8
     pallas: PallasConfig | None = None  # None: the XLA kernels; else the Pallas kernels'
 
 
@@ -167,7 +169,8 @@ def _arrived_block(block, plan: _RingPlan):
     if plan.hop_format is None:
         return block
     k_data, k_scale, v_data, v_scale, kp, ks = block
-    return dequantize_rows(k_data, k_scale), dequantize_rows(v_data, v_scale), kp, ks
+    fmt = plan.hop_format
+    return dequantize_rows(k_data, k_scale, fmt), dequantize_rows(v_data, v_scale, fmt), kp, ks
 
 
 def _run_hops(plan: _RingPlan, block, carry, compute):
@@ -434,7 +437,7 @@ def ring_attention_per_shard(
     positions: Positions | None = None,
     sinks: Float[Array, " N"] | None = None,
     block_sizes: BlockSizes | None = None,
-    hop_format: str | None = None,
+    hop_format: KVFormat | str | None = None,
     impl: str = "auto",
     bias: Float[Array, "..."] | None = None,
 ) -> AttentionOutput:
@@ -475,8 +478,9 @@ def ring_attention_per_shard(
       sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the per-hop kernel; with ``"zigzag"`` they
         are clamped to half the local length so causal chunk pairs can be skipped.
-      hop_format: None (K/V travel in their dtype: exact), or ``"int8"`` / ``"fp8"``: each
-        device quantizes its K/V once per token and kv head (:func:`ringattn.quantize_hop`),
+      hop_format: None (K/V travel in their dtype: exact), or ``KVFormat("int8")`` /
+        ``KVFormat("fp8")`` (the strings ``"int8"`` / ``"fp8"`` are shorthand for them; a
+        :class:`ringattn.KVFormat`, the same class as ``paged.KVFormat``): each device quantizes its K/V once per token and kv head (:func:`ringattn.quantize_hop`),
         hops carry the quantized values and float32 scales (:func:`ringattn.hop_bytes`), and
         every block, the local one included, is dequantized to float32 before its compute.
         The result is exact attention over the dequantized K/V; gradients: ``dq`` exact for
@@ -502,12 +506,14 @@ def ring_attention_per_shard(
 
     Raises:
       ValueError: on inconsistent shapes or dtypes, ``N % K != 0``, bad segment ids or
-        positions, an unknown ``layout`` or ``hop_format``, an odd ``T`` or ``S`` with
+        positions, an unknown ``layout`` or ``hop_format`` (not None, a KVFormat or a name
+        of :data:`ringattn.HOP_FORMATS`), an odd ``T`` or ``S`` with
         ``"zigzag"``, a bad window, softcap, scale, sinks or ``block_sizes``, or a
         ``seq_axis`` that is not bound (called outside ``shard_map``), an unknown
         ``impl``, or missing positions (``"zigzag"`` / ``"striped"`` under a causal or window
         mask; ``T != S`` under one).
-      NotImplementedError: ``impl="pallas"`` with a ``hop_format``, on a backend other than
+      NotImplementedError: a ``hop_format`` KVFormat of a kind hops do not carry (int4,
+        kivi2); ``impl="pallas"`` with a ``hop_format``, on a backend other than
         CPU, GPU and TPU, or with block sizes the compiled kernel cannot take.
 
     Example:
@@ -580,11 +586,11 @@ def ring_attention_per_shard(
     return apply_sinks(out, lse, sinks)
 
 
-def check_pallas_options(fn: str, impl: str, hop_format: str | None) -> None:
+def check_pallas_options(fn: str, impl: str, hop_format: KVFormat | None) -> None:
     """NotImplementedError for ring options the Pallas hops do not take."""
     if impl == "pallas" and hop_format is not None:
         raise NotImplementedError(
-            f"{fn}: hop_format={hop_format!r} (quantized ring hops) is not implemented with "
+            f"{fn}: hop_format={hop_format.kind!r} (quantized ring hops) is not implemented with "
             "impl='pallas'; use impl='xla' or hop_format=None"
         )
 
@@ -603,7 +609,7 @@ def ring_local(
     block_sizes,
     seq_axis,
     *,
-    hop_format: str | None = None,
+    hop_format: KVFormat | str | None = None,
     hops: int | None = None,
     impl: str = "xla",
 ):
@@ -654,7 +660,7 @@ def hop_bytes(
     head_dim: IntLike,
     dtype,
     *,
-    hop_format: str | None = None,
+    hop_format: KVFormat | str | None = None,
     layout: str = "contiguous",
     block_sizes: BlockSizes | None = None,
     segment_ids: bool = False,
@@ -668,7 +674,7 @@ def hop_bytes(
     positions and, with ``segment_ids``, int32 segment ids, each padded to the kernel's key
     block (``impl="pallas"``: not padded, the block travels in the canonical layout). A
     backward hop sends the same buffer and the block's float32 dK/dV accumulators
-    (``2 * head_dim`` floats per token and kv head). With ``"int8"`` or ``"fp8"`` K/V take
+    (``2 * head_dim`` floats per token and kv head). With int8 or fp8 K/V take
     ``head_dim + 4`` bytes per token and kv head, against ``4 * head_dim`` in float32 and
     ``2 * head_dim`` in bfloat16.
 
@@ -678,7 +684,8 @@ def hop_bytes(
       kv_heads: ``K`` kv heads on this device.
       head_dim: ``H``.
       dtype: dtype of ``k`` and ``v``.
-      hop_format: None, ``"int8"`` or ``"fp8"`` (see :func:`ring_attention_per_shard`).
+      hop_format: None, ``KVFormat("int8")`` or ``KVFormat("fp8")``, or their shorthand
+        ``"int8"`` / ``"fp8"`` (see :func:`ring_attention_per_shard`).
       layout: the ring's layout (``"zigzag"`` clamps the key block to half a shard).
       block_sizes: the ring's :class:`ringattn.BlockSizes` (default ``BlockSizes()``).
       segment_ids: whether segment ids travel with the keys.
@@ -691,7 +698,8 @@ def hop_bytes(
     Raises:
       ValueError: on a negative size, a bad ``hop_format``, ``layout``, ``block_sizes`` or
         ``impl``.
-      NotImplementedError: ``impl="pallas"`` with a ``hop_format``.
+      NotImplementedError: ``impl="pallas"`` with a ``hop_format``; a KVFormat of a kind
+        hops do not carry (int4, kivi2).
 
     Example:
       >>> hop_bytes(1, 1024, 2, 128, "float32", hop_format="int8")  # K/V + int32 positions

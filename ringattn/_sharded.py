@@ -35,6 +35,7 @@ from jaxtyping import Array, Float
 
 from ringattn._blockwise import BlockSizes, empty_attention, resolve_impl
 from ringattn._checks import FloatLike, IntLike, fail, fold_traced_scale, refuse_bias
+from ringattn._formats import KVFormat
 from ringattn._hop_format import check_hop_format
 from ringattn._layout import LAYOUTS, check_layout_positions, to_layout
 from ringattn._online_softmax import AttentionOutput, apply_sinks
@@ -176,7 +177,7 @@ def sharded_attention(
     positions: Positions | None = None,
     sinks: Float[Array, " N"] | None = None,
     block_sizes: BlockSizes | None = None,
-    hop_format: str | None = None,
+    hop_format: KVFormat | str | None = None,
     impl: str = "auto",
     bias: Float[Array, "..."] | None = None,
 ) -> AttentionOutput:
@@ -244,8 +245,8 @@ def sharded_attention(
         ``jit``) cannot be read: every hop runs (same result, more transfers).
       sinks: ``[N]`` per-head sink logit, or None.
       block_sizes: :class:`ringattn.BlockSizes` of the local kernel.
-      hop_format: ``"ring"`` and ``"usp"`` only: None (exact), or ``"int8"`` / ``"fp8"``
-        ring hops carrying per-token, per-kv-head quantized K/V (see
+      hop_format: ``"ring"`` and ``"usp"`` only: None (exact), or ``KVFormat("int8")`` /
+        ``KVFormat("fp8")`` (or the shorthand ``"int8"`` / ``"fp8"``) ring hops carrying per-token, per-kv-head quantized K/V (see
         :func:`ringattn.ring_attention_per_shard`: the result is exact attention over the
         dequantized K/V, ``dk``/``dv`` straight-through).
       impl: ``"auto"`` (the XLA kernels for now, on every backend), ``"xla"`` or
@@ -272,7 +273,8 @@ def sharded_attention(
         bad segment ids, positions, window, softcap, scale,
         block sizes or ``hop_format``; an unknown ``impl``.
       NotImplementedError: a ``hop_format`` with strategy ``"allgather"`` or ``"ulysses"``
-        (no ring hops to quantize) or with ``impl="pallas"``; ``impl="pallas"`` on a TPU or
+        (no ring hops to quantize) or with ``impl="pallas"``; a ``hop_format`` KVFormat of a
+        kind hops do not carry (int4, kivi2); ``impl="pallas"`` on a TPU or
         with block sizes the compiled kernel cannot take.
 
     Example:

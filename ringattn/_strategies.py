@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringattn._blocks import window_table
 from ringattn._blockwise import BlockSizes, head_windows, local_attention
+from ringattn._formats import KVFormat
 from ringattn._layout import from_layout, to_layout
 from ringattn._online_softmax import apply_sinks
 from ringattn._options import MaskSpec, arange_positions
@@ -42,7 +43,7 @@ class Plan:
     mask: MaskSpec
     block_sizes: BlockSizes | None
     num_heads: int  # global query heads N (per-head windows are sliced per device)
-    hop_format: str | None = None  # "ring" / "usp": quantized K/V hops ("int8", "fp8")
+    hop_format: KVFormat | None = None  # "ring" / "usp": quantized K/V hops (int8, fp8)
     ring_hops: int | None = None  # "ring" / "usp": hops that can reach a visible key (None: all)
     impl: str = "xla"  # the resolved kernels: "xla" or "pallas"
 
