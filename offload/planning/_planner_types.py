@@ -45,10 +45,34 @@ __all__ = [
 
 #: KV formats stored as plain floats, with their bytes per element.
 FLOAT_FORMATS = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: Quantized KV formats (``paged.KVFormat`` kinds).
-QUANTIZED_FORMATS = ("int8", "fp8", "int4", "kivi2")
+#: Quantized KV formats: every ``paged.KVFormat`` kind (``paged.KVFormat.KINDS``).
+QUANTIZED_FORMATS = KVFormat.KINDS
 #: Every KV format a :class:`ModelShape` accepts.
 KV_FORMATS = (*FLOAT_FORMATS, *QUANTIZED_FORMATS)
+
+
+def _group_size_of(fn: str, kv_format: KVFormat, model) -> int:
+    """The ``group_size`` a :class:`ModelShape` keeps for ``kv_format`` (a ``KVFormat``):
+    its own for int4 (``ValueError`` if the model names another one), else the model's."""
+    _refuse_kivi2_window(fn, "kv_format", kv_format)
+    if kv_format.kind != "int4":
+        return model.group_size
+    if model.group_size not in (32, kv_format.group_size):
+        raise ValueError(
+            f"{fn}: group_size: expected the int4 KVFormat's group_size={kv_format.group_size} "
+            f"(or the default 32), got {model.group_size}"
+        )
+    return kv_format.group_size
+
+
+def _refuse_kivi2_window(fn: str, name: str, kv_format: KVFormat) -> None:
+    if kv_format.kind == "kivi2" and kv_format.residual:
+        raise NotImplementedError(
+            f"{fn}: {name}: the planner sizes kivi2's float32 window as the open page only, "
+            f"got {kv_format!r}; pass KVFormat('kivi2') (residual=0) and count the window with "
+            "ModelShape.residual_bytes(KVFormat('kivi2', residual=R))"
+        )
+
 
 # Normal quantiles of the 95th and 99th percentiles (for a log-normal through p50 and p99).
 _Z95, _Z99 = 1.6448536269514722, 2.3263478740408408
@@ -64,8 +88,11 @@ class ModelShape:
       kv_heads: ``K`` (``N % K == 0``; ``K < N`` is GQA, ``K == N`` multi-head).
       head_dim: ``H``.
       kv_format: one of :data:`KV_FORMATS`: ``"float32"``, ``"bfloat16"``, ``"float16"``,
-        or a ``paged.KVFormat`` kind ``"int8"``, ``"fp8"``, ``"int4"``, ``"kivi2"``.
-      group_size: int4's group along ``H`` (``paged.KVFormat``'s ``group_size``, default 32).
+        or a quantized format: a ``paged.KVFormat`` or its kind ``"int8"``, ``"fp8"``,
+        ``"int4"``, ``"kivi2"``. A KVFormat is stored as its kind (and, for int4, its
+        ``group_size``), so ``kv_format=KVFormat("int8")`` and ``"int8"`` give equal shapes.
+      group_size: int4's group along ``H`` (``paged.KVFormat``'s ``group_size``, default 32;
+        taken from ``kv_format`` when that is a ``KVFormat("int4", group_size=g)``).
       params: parameters of the whole model (its weights), or ``None`` when not given. The
         planner subtracts the weights' share (``params * weight_itemsize / TP``) from each
         device's memory and counts ``2 * params`` FLOPs per token for the linear layers; with
@@ -75,7 +102,10 @@ class ModelShape:
     Raises:
       ValueError: on a non-positive size, ``N % K != 0``, an unknown format, a head dim the
         format cannot store (int4: ``H % group_size``; kivi2: ``H % 4``), ``params`` not a
-        positive int, or ``weight_itemsize`` not 1, 2 or 4.
+        positive int, ``weight_itemsize`` not 1, 2 or 4, or an int4 KVFormat whose
+        ``group_size`` differs from a ``group_size`` also given.
+      NotImplementedError: a ``KVFormat("kivi2", residual=R)`` with ``R > 0`` (the planner
+        sizes kivi2's float32 window as the open page only).
 
     Example:
       >>> llama = ModelShape(layers=80, query_heads=64, kv_heads=8, head_dim=128)
@@ -87,7 +117,7 @@ class ModelShape:
     query_heads: int
     kv_heads: int
     head_dim: int
-    kv_format: str = "bfloat16"
+    kv_format: str | KVFormat = "bfloat16"
     group_size: int = 32
     params: int | None = None
     weight_itemsize: int = 2
@@ -108,6 +138,9 @@ class ModelShape:
                 f"{fn}: kv_heads: expected a divisor of query_heads={self.query_heads}, "
                 f"got {self.kv_heads}"
             )
+        if isinstance(self.kv_format, KVFormat):
+            object.__setattr__(self, "group_size", _group_size_of(fn, self.kv_format, self))
+            object.__setattr__(self, "kv_format", self.kv_format.kind)
         _checks.check_choice(fn, "kv_format", self.kv_format, KV_FORMATS)
         if self.kv_format in QUANTIZED_FORMATS:
             self.kv_spec(self.kv_format).check_head_dim(fn, "head_dim", self.head_dim)
@@ -139,15 +172,19 @@ class ModelShape:
             f"got {tensor_parallel}"
         )
 
-    def kv_spec(self, kv_format: str) -> KVFormat:
-        """The ``paged.KVFormat`` of a quantized ``kv_format`` (this model's group size)."""
+    def kv_spec(self, kv_format: str | KVFormat) -> KVFormat:
+        """The ``paged.KVFormat`` of a quantized ``kv_format``: a kind (with this model's
+        group size), or a KVFormat, returned as it is."""
+        if isinstance(kv_format, KVFormat):
+            return kv_format
         if kv_format == "int4":
             return KVFormat("int4", group_size=self.group_size)
         return KVFormat(kv_format)
 
-    def supports(self, kv_format: str) -> bool:
-        """Whether ``kv_format`` can store this model's head dim."""
-        if kv_format in FLOAT_FORMATS:
+    def supports(self, kv_format: str | KVFormat) -> bool:
+        """Whether ``kv_format`` (a name of :data:`KV_FORMATS` or a ``paged.KVFormat``) can
+        store this model's head dim."""
+        if isinstance(kv_format, str) and kv_format in FLOAT_FORMATS:
             return True
         try:
             self.kv_spec(kv_format).check_head_dim("ModelShape", "head_dim", self.head_dim)
@@ -156,7 +193,10 @@ class ModelShape:
         return True
 
     def bytes_per_token(
-        self, kv_format: str | None = None, page_size: int = 16, tensor_parallel: int = 1
+        self,
+        kv_format: str | KVFormat | None = None,
+        page_size: int = 16,
+        tensor_parallel: int = 1,
     ) -> int | float:
         """KV bytes of one token, keys and values, all layers and kv heads, scales included.
 
@@ -167,29 +207,36 @@ class ModelShape:
         see :meth:`residual_bytes`.
 
         Args:
-          kv_format: a format of :data:`KV_FORMATS` (default: this model's).
+          kv_format: a format of :data:`KV_FORMATS` or a ``paged.KVFormat`` (its own
+            ``group_size``; default: this model's format).
           page_size: ``C`` (kivi2's key scales are per page).
           tensor_parallel: ``TP``: the bytes one device of a tensor-parallel group holds.
         """
         kv_format = self.kv_format if kv_format is None else kv_format
-        _checks.check_choice("ModelShape.bytes_per_token", "kv_format", kv_format, KV_FORMATS)
+        if not isinstance(kv_format, KVFormat):
+            _checks.check_choice("ModelShape.bytes_per_token", "kv_format", kv_format, KV_FORMATS)
         heads = self.kv_heads_per_device(tensor_parallel)
-        if kv_format in FLOAT_FORMATS:
+        if isinstance(kv_format, str) and kv_format in FLOAT_FORMATS:
             per_head = self.head_dim * FLOAT_FORMATS[kv_format]
         else:
             per_head = self.kv_spec(kv_format).bytes_per_token(self.head_dim, page_size)
         return 2 * self.layers * heads * per_head
 
     def residual_bytes(
-        self, kv_format: str | None = None, page_size: int = 16, tensor_parallel: int = 1
+        self,
+        kv_format: str | KVFormat | None = None,
+        page_size: int = 16,
+        tensor_parallel: int = 1,
     ) -> int:
         """Bytes per sequence of kivi2's float32 window (``residual_pages(C)`` pages of keys
-        and values, all layers and kv heads of one device); 0 for the other formats."""
+        and values, all layers and kv heads of one device; a ``KVFormat("kivi2",
+        residual=R)`` counts its own window); 0 for the other formats."""
         kv_format = self.kv_format if kv_format is None else kv_format
-        if kv_format != "kivi2":
+        spec = kv_format if isinstance(kv_format, KVFormat) else None
+        if (spec.kind if spec else kv_format) != "kivi2":
             return 0
         heads = self.kv_heads_per_device(tensor_parallel)
-        pages = self.kv_spec("kivi2").residual_pages(page_size)
+        pages = self.kv_spec(spec or "kivi2").residual_pages(page_size)
         return 2 * self.layers * heads * pages * page_size * self.head_dim * 4
 
     @property
@@ -592,7 +639,9 @@ class Workload:
       prefix_reuse: share of requests that start with the same shared prefix, in ``[0, 1]``.
       prefix_tokens: tokens of that shared prefix (``>= 0``).
       quantization: lossy quantized KV formats the planner may switch to when the model's own
-        format does not fit (tried from the most bytes to the fewest). Default ``()``: only
+        format does not fit (tried from the most bytes to the fewest): ``paged.KVFormat``
+        values or their kinds, stored as kinds (an int4 KVFormat must have the model's
+        ``group_size``). Default ``()``: only
         the model's own format. Lossy formats are opt-in: their accuracy loss was measured only
         on this repo's 400K-parameter toy model, not on a real one; measure yours first.
       latency_tolerant: whether requests tolerate disk (NVMe) latency (the article's case C:
@@ -611,7 +660,7 @@ class Workload:
     lengths: LengthDistribution
     prefix_reuse: float = 0.0
     prefix_tokens: int = 0
-    quantization: tuple[str, ...] = ()
+    quantization: tuple[str | KVFormat, ...] = ()
     latency_tolerant: bool = False
     tensor_parallel: int = 1
 
@@ -625,8 +674,19 @@ class Workload:
         _checks.check_int(fn, "prefix_tokens", self.prefix_tokens, low=0)
         if not isinstance(self.quantization, tuple):
             raise ValueError(f"{fn}: quantization: expected a tuple, got {self.quantization!r}")
+        kinds = []
         for kind in self.quantization:
+            if isinstance(kind, KVFormat):
+                _refuse_kivi2_window(fn, "quantization", kind)
+                if kind != self.model.kv_spec(kind.kind):
+                    raise ValueError(
+                        f"{fn}: quantization: expected {self.model.kv_spec(kind.kind)!r} (int4 "
+                        f"takes the model's group_size; set it on ModelShape), got {kind!r}"
+                    )
+                kind = kind.kind
             _checks.check_choice(fn, "quantization", kind, QUANTIZED_FORMATS)
+            kinds.append(kind)
+        object.__setattr__(self, "quantization", tuple(kinds))
         if not isinstance(self.latency_tolerant, bool):
             raise ValueError(
                 f"{fn}: latency_tolerant: expected a bool, got {self.latency_tolerant!r}"

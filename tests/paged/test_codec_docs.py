@@ -1,7 +1,7 @@
 """Every documented KV encoding rule, written again in numpy from the documented words, equals
 what the library stores, bit for bit: int8, fp8, int4, kivi2 pages (the docs' "Quantized KV" page,
-``paged._quantized`` / ``paged._kivi`` docstrings) and the int8 / fp8 ring hops
-(``ringattn._hop_format``). Each rule runs on > 100k values: random tokens over six decades,
+``ringattn._formats`` / ``paged._kivi`` docstrings) and the int8 / fp8 ring hops
+(``ringattn._hop_format``; the same codec, ``KVFormat.encode``). Each rule runs on > 100k values: random tokens over six decades,
 tokens whose values sit exactly on rounding ties, at the absmax and at the clip, all-zero
 tokens and tokens holding NaN / inf."""
 
@@ -76,7 +76,7 @@ def fp8_ties(rng, shape):
 
 def doc_per_token(x, qmax, storage):
     """int8 / fp8 pages: docs/concepts/quantized.md, "Scales and rounding"; the
-    ``paged._quantized`` docstring."""
+    ``ringattn._formats`` docstring."""
     absmax = np.max(np.abs(x), axis=-1)
     bad = ~np.all(np.isfinite(x), axis=-1)
     scale = np.where(bad, np.nan, absmax * recip(qmax)).astype(F32)
