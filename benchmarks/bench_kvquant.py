@@ -21,7 +21,7 @@ chooses) is compared with float32 and bfloat16 pools, through the public API onl
    model's own K/V (``examples/longctx_lm/checkpoint``, a passkey prompt from the task
    generator prefilled layer by layer with the model's ``attn.project``). Max abs error and
    relative RMS error (``||x - x'|| / ||x||``); for int8 and fp8 also whether every element is
-   within the bound documented in ``paged/_quantized.py``.
+   within the bound documented in ``ringattn/_formats.py``.
 3. **Attention output error** of ``paged_attention`` over each format's pools against the same
    KV in float32 pools: the last ``T = 16`` positions' queries (causal, as 16 decode steps),
    random normal queries for the random KV and the model's own queries for the model KV. Max
@@ -394,7 +394,7 @@ def model_case(model, batch: int, length: int, *, label: str = "trained model") 
     return Case(name, k, v, q[:, :, -T:])
 
 
-# Element-wise bounds documented in paged/_quantized.py (x: values, absmax: the token's
+# Element-wise bounds documented in ringattn/_formats.py (x: values, absmax: the token's
 # max |x| over H), plus float32 rounding of the scale and the product.
 def _int8_bound(x, absmax):
     return absmax / 254
@@ -523,7 +523,7 @@ def error_sections(cases, results) -> list[str]:
         "## 2. Reconstruction error (written with `paged.write`, read with `paged.gather_kv`)",
         "",
         "rel = `||x - x'|| / ||x||` over the whole tensor; in bound: every element within the "
-        "bound documented in `paged/_quantized.py` (int8 `absmax / 254`, fp8 `|x| / 16 + "
+        "bound documented in `ringattn/_formats.py` (int8 `absmax / 254`, fp8 `|x| / 16 + "
         "absmax / 448 * 2**-10`, int4 `group_absmax / 14 * (1 + 2**-8)`; kivi2, in "
         "`paged/_kivi.py`, `(max - min) / 6 + (|min| + |max|) * 2**-8` per key channel over "
         "a page / per value token, the residual page exact; `-`: no bound documented).",
