@@ -479,10 +479,12 @@ def ring_attention_per_shard(
       block_sizes: :class:`ringattn.BlockSizes` of the per-hop kernel; with ``"zigzag"`` they
         are clamped to half the local length so causal chunk pairs can be skipped.
       hop_format: None (K/V travel in their dtype: exact), or ``KVFormat("int8")`` /
-        ``KVFormat("fp8")`` (the strings ``"int8"`` / ``"fp8"`` are shorthand for them; a
-        :class:`ringattn.KVFormat`, the same class as ``paged.KVFormat``): each device quantizes its K/V once per token and kv head (:func:`ringattn.quantize_hop`),
-        hops carry the quantized values and float32 scales (:func:`ringattn.hop_bytes`), and
-        every block, the local one included, is dequantized to float32 before its compute.
+        ``KVFormat("fp8")`` (a :class:`ringattn.KVFormat`, the same class as
+        ``paged.KVFormat``; the strings ``"int8"`` / ``"fp8"`` are shorthand for them): each
+        device quantizes its K/V once per token and kv head with the pages' codec
+        (:func:`ringattn.quantize_hop`), hops carry the quantized values and float32
+        scales (:func:`ringattn.hop_bytes`), and every block, the local one included, is
+        dequantized to float32 before its compute.
         The result is exact attention over the dequantized K/V; gradients: ``dq`` exact for
         it, ``dk``/``dv`` straight-through (the gradients with respect to the dequantized
         K/V); the backward ring sends the same quantized K/V and float32 dK/dV.
@@ -609,7 +611,7 @@ def ring_local(
     block_sizes,
     seq_axis,
     *,
-    hop_format: KVFormat | str | None = None,
+    hop_format: KVFormat | None = None,
     hops: int | None = None,
     impl: str = "xla",
 ):
