@@ -104,7 +104,17 @@ from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
 from paged._quantized import KVFormat, QuantizedPages, quantize_pages, select_rows
 from paged._reference import paged_attention_reference, ragged_paged_attention_reference
+from paged._retrieval import (
+    PageSelection,
+    RetrievalTable,
+    page_logit_bounds,
+    retrieval_attention,
+    retrieval_pool,
+    retrieval_table,
+    select_pages_by_query,
+)
 from paged._sharded import sharded_paged_attention
+from paged._summaries import PageKeyBounds, copy_key_bounds, page_key_bounds, refresh_key_bounds
 from paged._validate import from_zero_based_table, validate, validate_page_table
 
 __all__ = [
@@ -123,9 +133,13 @@ __all__ = [
     "FreePageStack",
     "PagedAttentionOutput",
     "PagedKVCache",
+    "PageKeyBounds",
+    "PageSelection",
+    "RetrievalTable",
     "QuantizedPages",
     "advance",
     "append",
+    "copy_key_bounds",
     "copy_pages",
     "ensure_next_page",
     "from_jax_gpu_scale_pages",
@@ -138,6 +152,8 @@ __all__ = [
     "make_free_stack",
     "paged_attention",
     "paged_attention_reference",
+    "page_key_bounds",
+    "page_logit_bounds",
     "pages_to_reserve",
     "pop_pages",
     "push_pages",
@@ -145,6 +161,11 @@ __all__ = [
     "select_rows",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "refresh_key_bounds",
+    "retrieval_attention",
+    "retrieval_pool",
+    "retrieval_table",
+    "select_pages_by_query",
     "sharded_paged_attention",
     "taken_pages",
     "to_jax_gpu_scale_pages",
