@@ -250,6 +250,19 @@ def _select_tiers(q, bounds, host_bounds, device_table, host_table, lengths, *, 
     return on_device, in_host, rt.lengths, rt.offset, sel.count
 
 
+@functools.partial(jax.jit, static_argnames=("softcap", "scale"))
+def _attend_tiers(q, k_pages, v_pages, on_device, lengths, lengths_c, offset, stage_table,
+                  stage_k, stage_v, sinks, *, softcap, scale):  # fmt: skip
+    """Attention over the compacted device and staged tables, merged (one jitted program)."""
+    T = q.shape[1]
+    q_positions = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)
+    return mixed_residency_attention(
+        q, retrieval_pool(k_pages, offset), retrieval_pool(v_pages, offset), on_device,
+        lengths_c, cold_table=stage_table, cold_k_pages=stage_k, cold_v_pages=stage_v,
+        q_positions=q_positions - offset[:, None], softcap=softcap, scale=scale, sinks=sinks,
+    )  # fmt: skip
+
+
 def retrieval_decode_attention(
     q: Float[Array, "B T N H"],
     k_pages: Float[Array, "K P C H"] | QuantizedPages,
@@ -351,13 +364,9 @@ def retrieval_decode_attention(
         C=C, budget=budget, sink=sink, recent=recent,
     )  # fmt: skip
     staged = fetch_selected_pages(host_pool, in_host, layer=layer, stats=stats, request_id=request_id)  # fmt: skip
-    T = q.shape[1]
-    q_positions = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)
-    res = mixed_residency_attention(
-        q, retrieval_pool(k_pages, offset), retrieval_pool(v_pages, offset), on_device,
-        lengths_c, cold_table=jnp.asarray(staged.table), cold_k_pages=staged.k_pages,
-        cold_v_pages=staged.v_pages, q_positions=q_positions - offset[:, None], softcap=softcap,
-        scale=scale, sinks=sinks,
+    res = _attend_tiers(
+        q, k_pages, v_pages, on_device, lengths, lengths_c, offset, jnp.asarray(staged.table),
+        staged.k_pages, staged.v_pages, sinks, softcap=softcap, scale=scale,
     )  # fmt: skip
     if stats is not None:
         wait(staged.handle)
