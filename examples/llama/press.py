@@ -479,9 +479,9 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
     return Answer(tokens, kept, int(live_n), device_bytes, full_bytes, moved, seconds)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10))
 def _answer_retrieval(graphdef, state, cache, forced, n_forced, start,
-                      max_new: int, budget: int, sink: int, recent: int):  # fmt: skip
+                      max_new: int, budget: int, sink: int, recent: int, dense_layers: int):  # fmt: skip
     """``forced [1, T]`` (``n_forced`` real) over every page, then ``max_new`` greedy tokens,
     each layer's attention over the ``budget`` pages its query selects. Returns ``(tokens
     [max_new], pages read, live pages)`` (the last two summed over steps and layers)."""
@@ -508,6 +508,14 @@ def _answer_retrieval(graphdef, state, cache, forced, n_forced, start,
             q, k, v = block.attn.project(block.attn_norm(x), pos[:, None])
             cache = paged.write_layer(cache, layer, k, v, pos)
             bounds = paged.refresh_key_bounds(bounds, cache, pos, 1, layer=layer, lengths=lengths)
+            live = live + (lengths[0] + C - 1) // C
+            if layer < dense_layers:  # Quest's first layers: every page
+                att = paged.paged_attention(q, cache.k_pages[layer], cache.v_pages[layer],
+                                            cache.page_table, lengths)  # fmt: skip
+                read = read + (lengths[0] + C - 1) // C
+                x = x + block.attn.output(att.out)
+                x = x + block.mlp(block.mlp_norm(x))
+                continue
             sel = paged.select_pages_by_query(
                 q, bounds.layer(layer), cache.page_table, lengths, page_size=C, budget=budget,
                 sink_pages=sink, recent_pages=recent,
@@ -518,7 +526,6 @@ def _answer_retrieval(graphdef, state, cache, forced, n_forced, start,
             att = paged.paged_attention(q, kp, vp, rt.page_table, rt.lengths,
                                         q_positions=pos[:, None] - rt.offset[:, None])  # fmt: skip
             read = read + sel.count[0]
-            live = live + (lengths[0] + C - 1) // C
             x = x + block.attn.output(att.out)
             x = x + block.mlp(block.mlp_norm(x))
         nxt = jnp.argmax(model.logits(x)[0, -1]).astype(jnp.int32)
@@ -534,7 +541,7 @@ def _answer_retrieval(graphdef, state, cache, forced, n_forced, start,
 
 def answer_retrieval(model: Llama, pre: Prefilled, forced: Sequence[int], max_new: int, *,
                      ratio: float, sink_pages: int = 1, recent_pages: int = 1,
-                     bucket: int = 64) -> Answer:  # fmt: skip
+                     dense_layers: int = 2, bucket: int = 64) -> Answer:  # fmt: skip
     """Continues ``pre`` with ``forced`` and ``max_new`` greedy tokens, Quest-style: all
     pages stay on the device; the ``forced`` tokens (the question or the prompt's last
     token: prefill) attend over every page, as Quest's prefill does, and every decoded token
@@ -542,7 +549,10 @@ def answer_retrieval(model: Llama, pre: Prefilled, forced: Sequence[int], max_ne
     pages at the last decode step, at least ``sink_pages + recent_pages``) its own query selects
     (``paged.select_pages_by_query``: the first ``sink_pages`` and last ``recent_pages``
     pages always, the rest by the upper bound of their logit from the pages' key bounds,
-    which ``paged.refresh_key_bounds`` keeps current as tokens are written).
+    which ``paged.refresh_key_bounds`` keeps current as tokens are written). The first
+    ``dense_layers`` layers read every page, as Quest does for its first two layers (their
+    attention is spread too widely for a few pages to hold it); their reads count in the
+    fraction read.
 
     ``ratio`` is the fraction of the KV bytes NOT read per decode step (kvpress's
     ``compression_ratio``: ``0.9`` reads about 10%); the measured fraction read is
@@ -575,7 +585,7 @@ def answer_retrieval(model: Llama, pre: Prefilled, forced: Sequence[int], max_ne
     t0 = time.perf_counter()
     tokens, read, seen = _answer_retrieval(
         graphdef, state, cache, jnp.asarray(padded), jnp.int32(len(forced)), jnp.int32(n),
-        max_new, budget, sink_pages, recent_pages,
+        max_new, budget, sink_pages, recent_pages, dense_layers,
     )  # fmt: skip
     tokens = np.asarray(tokens)
     seconds = time.perf_counter() - t0
