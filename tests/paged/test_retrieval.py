@@ -218,3 +218,20 @@ def test_errors_name_the_argument():
         small = cache.k_pages[0][:, :10]
         retrieval_attention(q, small, small, bounds.layer(0), cache.page_table, cache.lengths,
                             budget=2)  # fmt: skip
+
+
+def test_an_empty_sequence_reads_nothing_and_gets_zeros():
+    rng = np.random.default_rng(9)
+    cache = make_cache("float32", rng, C=4, lengths=[0, 5])
+    bounds = page_key_bounds(cache).layer(0)
+    q = queries(rng, 2)
+    sel = select_pages_by_query(q, bounds, cache.page_table, cache.lengths, page_size=4, budget=2)
+    assert sel.count.tolist() == [0, 2] and np.isneginf(np.asarray(sel.scores[0])).all()
+    rt = retrieval_table(sel, cache.page_table, cache.lengths, page_size=4)
+    assert rt.lengths.tolist() == [0, 5] and rt.page_table[0].tolist() == [0, 0]
+    res = retrieval_attention(q, cache.k_pages[0], cache.v_pages[0], bounds, cache.page_table,
+                              cache.lengths, budget=2)  # fmt: skip
+    want = paged_attention_reference(q, cache.k_pages[0], cache.v_pages[0], cache.page_table,
+                                     cache.lengths)  # fmt: skip
+    assert (np.asarray(res.out[0]) == 0).all() and np.isneginf(np.asarray(res.lse[0])).all()
+    np.testing.assert_allclose(np.asarray(res.out), np.asarray(want.out), atol=1e-5)
