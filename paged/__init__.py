@@ -53,6 +53,14 @@ tokens in a float32 window (``KVFormat("kivi2", residual=R)``: the open page and
 ``residual_len [L, K, B]``) and stores a page whole when it fills; :func:`select_rows` narrows the residual for a table
 whose rows are another order of the cache's.
 
+Query-aware retrieval (Quest): :class:`PageKeyBounds` holds each page's elementwise key
+minimum and maximum per kv head (:func:`page_key_bounds`, kept current by
+:func:`refresh_key_bounds` and :func:`copy_key_bounds`); :func:`select_pages_by_query` picks
+the ``budget`` pages whose logit upper bound is largest for a step's queries (sink and recent
+pages always), :func:`retrieval_table` compacts them into a page table that
+:func:`paged_attention` reads exactly, and :func:`retrieval_attention` does the three; a
+budget of every live page equals full attention.
+
 Page 0 is our reserved null page; JAX's and vLLM's page tables use page 0 as an ordinary
 page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages),
 :func:`to_zero_based_table` back. ``from_jax_*`` / ``to_jax_*`` convert quantized pools to and
