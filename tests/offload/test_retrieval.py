@@ -114,3 +114,38 @@ def test_fetch_stages_each_distinct_slot_once_and_checks():
         with_host_bounds(paged.page_key_bounds(cache), [1], [0])
     with pytest.raises(ValueError, match="host_slots: expected 1 slots"):
         with_host_bounds(paged.page_key_bounds(cache), [1], [0, 1], num_slots=4)
+
+
+def test_a_policy_in_retrieve_mode_feeds_the_retrieval_decode():
+    """select_keep(mode="retrieve") -> page out the retrieved pages with their bounds -> the
+    decode reads the kept pages in place and any retrieved page its query selects."""
+    from offload import RetentionPolicy, init_policy_state, select_keep
+
+    rng = np.random.default_rng(4)
+    C = 4
+    cache = make_cache("float32", rng, C=C, M=6, lengths=[6 * C, 5 * C - 1, 3 * C + 2])
+    bounds = paged.page_key_bounds(cache)
+    policy = RetentionPolicy("recency", 0.3, page_size=C)
+    sel = select_keep(init_policy_state(3, 6, policy=policy), cache.lengths, policy=policy,
+                      page_table=cache.page_table, mode="retrieve")  # fmt: skip
+    retrieve = np.asarray(sel.retrieve)
+    assert retrieve.any() and not np.asarray(sel.demote | sel.drop).any()
+    table = np.asarray(cache.page_table)
+    ids = table[retrieve]
+    slots = np.arange(ids.size, dtype=np.int32)
+    host = make_host_page_pool(cache.k_pages, cache.v_pages, ids.size)
+    host = wait(page_out(cache.k_pages, cache.v_pages, ids, host, slots))
+    host_bounds = with_host_bounds(bounds, ids, slots, num_slots=ids.size)
+    host_table = np.full(table.shape, -1, np.int32)
+    host_table[retrieve] = slots
+    device_table = jnp.asarray(np.where(retrieve, 0, table))
+    k = cache.k_pages.at[:, :, ids].set(jnp.nan)  # the device copies are freed
+    q = jnp.asarray(rng.standard_normal((3, 1, N, 8)), jnp.float32)
+    for budget in (6, 2):
+        res = retrieval_decode_attention(
+            q, k[1], cache.v_pages[1], bounds.layer(1), device_table, host,
+            host_bounds.layer(1), jnp.asarray(host_table), cache.lengths, layer=1, budget=budget,
+        )  # fmt: skip
+        want = paged.retrieval_attention(q, cache.k_pages[1], cache.v_pages[1], bounds.layer(1),
+                                         cache.page_table, cache.lengths, budget=budget)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(res.out), np.asarray(want.out), atol=1e-5)
