@@ -243,8 +243,14 @@ def select_pages_by_query(
 def _select_impl(q, bounds, page_table, lengths, C, budget, sink, recent):
     P = bounds.k_min.shape[1]
     table = page_table.astype(jnp.int32)
-    B, M = table.shape
     score = jnp.max(_logit_bounds(q, bounds, table), axis=1)  # [B, M]
+    return select_from_scores(score, table, lengths, P, C, budget, sink, recent)
+
+
+def select_from_scores(score, table, lengths, P: int, C: int, budget: int, sink: int, recent: int):
+    """The :class:`PageSelection` of bounds ``score [B, M]`` over ``table [B, M]`` (jittable;
+    the sizes static)."""
+    M = table.shape[1]
     n_pages = (jnp.maximum(lengths.astype(jnp.int32), 0) + C - 1) // C
     idx = jnp.arange(M, dtype=jnp.int32)[None]
     live = (idx < n_pages[:, None]) & (table > 0) & (table < P)
@@ -383,6 +389,7 @@ def retrieval_attention(
     softcap: float | None = None,
     scale: float | None = None,
     sinks: Float[Array, " N"] | None = None,
+    per_kv_head: bool = False,
 ) -> PagedAttentionOutput:
     """Decode attention of one layer over the ``budget`` pages its queries select.
 
@@ -406,6 +413,10 @@ def retrieval_attention(
       softcap: as in ``paged.paged_attention``.
       scale: as in ``paged.paged_attention``.
       sinks: ``[N]`` per-query-head sink logits, as in ``paged.paged_attention``.
+      per_kv_head: False (default): one selection per sequence, shared by the heads (ranked
+        by the maximum bound over every head; one attention call). True: each kv head selects
+        its own ``budget`` pages by its own group's bound (Quest's granularity; ``K``
+        one-head attention calls). Either way ``budget`` pages per kv head are read.
 
     Returns:
       ``paged.PagedAttentionOutput`` ``(out [B, T, N, H], lse [B, T, N], None)``.
@@ -425,6 +436,16 @@ def retrieval_attention(
         recent_pages = max(int_option(fn, "recent_pages", recent_pages, minimum=0),
                            k_pages.format.residual_pages(C))  # fmt: skip
     budget, sink, recent = _check_budget(fn, budget, sink_pages, recent_pages)
+    if per_kv_head:
+        from paged._retrieval_heads import per_kv_head_attention
+
+        res = per_kv_head_attention(
+            q4, k_pages, v_pages, bounds, page_table, lengths, sinks, C=C, budget=budget,
+            sink=sink, recent=recent, softcap=softcap, scale=scale,
+        )  # fmt: skip
+        if q.ndim == 3:
+            return PagedAttentionOutput(res.out[:, 0], res.lse[:, 0], None)
+        return res
     sel = _select_impl(q4, bounds, page_table, lengths, C, budget, sink, recent)
     rt = _table_impl(sel.slots, page_table, lengths, C)
     T = q4.shape[1]

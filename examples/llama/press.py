@@ -479,9 +479,9 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
     return Answer(tokens, kept, int(live_n), device_bytes, full_bytes, moved, seconds)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10))
-def _answer_retrieval(graphdef, state, cache, forced, n_forced, start,
-                      max_new: int, budget: int, sink: int, recent: int, dense_layers: int):  # fmt: skip
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10, 11))
+def _answer_retrieval(graphdef, state, cache, forced, n_forced, start, max_new: int,
+                      budget: int, sink: int, recent: int, dense_layers: int, per_kv_head: bool):  # fmt: skip
     """``forced [1, T]`` (``n_forced`` real) over every page, then ``max_new`` greedy tokens,
     each layer's attention over the ``budget`` pages its query selects. Returns ``(tokens
     [max_new], pages read, live pages)`` (the last two summed over steps and layers)."""
@@ -516,6 +516,16 @@ def _answer_retrieval(graphdef, state, cache, forced, n_forced, start,
                 x = x + block.attn.output(att.out)
                 x = x + block.mlp(block.mlp_norm(x))
                 continue
+            if per_kv_head:  # each kv head its own budget pages (Quest's granularity)
+                att = paged.retrieval_attention(
+                    q, cache.k_pages[layer], cache.v_pages[layer], bounds.layer(layer),
+                    cache.page_table, lengths, budget=budget, sink_pages=sink,
+                    recent_pages=recent, per_kv_head=True,
+                )  # fmt: skip
+                read = read + jnp.minimum(budget, (lengths[0] + C - 1) // C)
+                x = x + block.attn.output(att.out)
+                x = x + block.mlp(block.mlp_norm(x))
+                continue
             sel = paged.select_pages_by_query(
                 q, bounds.layer(layer), cache.page_table, lengths, page_size=C, budget=budget,
                 sink_pages=sink, recent_pages=recent,
@@ -541,7 +551,8 @@ def _answer_retrieval(graphdef, state, cache, forced, n_forced, start,
 
 def answer_retrieval(model: Llama, pre: Prefilled, forced: Sequence[int], max_new: int, *,
                      ratio: float, sink_pages: int = 1, recent_pages: int = 1,
-                     dense_layers: int = 2, bucket: int = 64) -> Answer:  # fmt: skip
+                     dense_layers: int = 2, per_kv_head: bool = False,
+                     bucket: int = 64) -> Answer:  # fmt: skip
     """Continues ``pre`` with ``forced`` and ``max_new`` greedy tokens, Quest-style: all
     pages stay on the device; the ``forced`` tokens (the question or the prompt's last
     token: prefill) attend over every page, as Quest's prefill does, and every decoded token
@@ -552,7 +563,9 @@ def answer_retrieval(model: Llama, pre: Prefilled, forced: Sequence[int], max_ne
     which ``paged.refresh_key_bounds`` keeps current as tokens are written). The first
     ``dense_layers`` layers read every page, as Quest does for its first two layers (their
     attention is spread too widely for a few pages to hold it); their reads count in the
-    fraction read.
+    fraction read. ``per_kv_head=True`` lets each kv head select its own ``budget`` pages
+    (``paged.retrieval_attention(..., per_kv_head=True)``; the same bytes read) instead of one
+    table shared by the heads.
 
     ``ratio`` is the fraction of the KV bytes NOT read per decode step (kvpress's
     ``compression_ratio``: ``0.9`` reads about 10%); the measured fraction read is
@@ -585,7 +598,7 @@ def answer_retrieval(model: Llama, pre: Prefilled, forced: Sequence[int], max_ne
     t0 = time.perf_counter()
     tokens, read, seen = _answer_retrieval(
         graphdef, state, cache, jnp.asarray(padded), jnp.int32(len(forced)), jnp.int32(n),
-        max_new, budget, sink_pages, recent_pages, dense_layers,
+        max_new, budget, sink_pages, recent_pages, dense_layers, bool(per_kv_head),
     )  # fmt: skip
     tokens = np.asarray(tokens)
     seconds = time.perf_counter() - t0

@@ -412,6 +412,12 @@ def test_press_retrieval_at_ratio_0_is_exact_and_reads_the_budget_at_a_ratio(pre
     # Quest's dense first layers read every page, and count: layer 0 all 7, layer 1 three.
     first = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=1, bucket=8)
     assert first.read_fraction == pytest.approx((7 + 3) / 14)
+    # One selection per kv head: exact at ratio 0, the same bytes at a ratio.
+    heads = press.answer_retrieval(model, pre, question, 5, ratio=0.0, per_kv_head=True, bucket=8)
+    np.testing.assert_array_equal(heads.tokens, want)
+    heads = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=0,
+                                   per_kv_head=True, bucket=8)  # fmt: skip
+    assert heads.read_fraction == pytest.approx(3 / 7)
     with pytest.raises(ValueError, match=r"ratio: expected a fraction not read in \[0, 1\)"):
         press.answer_retrieval(model, pre, question, 5, ratio=1.0)
 
