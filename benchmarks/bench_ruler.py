@@ -24,8 +24,9 @@ Presses (``--press``, comma-separated for a sweep over one prefill):
   reads only the pages its own query selects (``paged.select_pages_by_query``: the sink page,
   the open page, and the rest by the upper bound of their logit), except in the first
   ``--dense-layers`` layers (default 2, as Quest), which read every page and count in the
-  fraction read; ``--per-kv-head`` lets each kv head select its own pages (Quest's
-  granularity) instead of one table shared by the heads (the same bytes read). Here ``--ratio`` is the
+  fraction read; each kv head selects its own pages (Quest's granularity; ``--shared-table``:
+  one table shared by the heads instead, ranked by the maximum bound over every head; the
+  same bytes read). Here ``--ratio`` is the
   fraction of the KV bytes NOT read per decode step: the budget is ``ceil((1 - ratio) *
   live pages)`` (``--ratio 0.9`` reads about 10%). The JSON reports the measured
   ``read_fraction`` (pages read per step and layer over the live pages, averaged; a page's
@@ -126,7 +127,7 @@ def parse(argv):
     p.add_argument("--kv-format", choices=("float32", "int8", "fp8", "int4", "kivi2"), default="float32")  # fmt: skip
     p.add_argument("--window", type=int, default=32, help="observed queries at the end of prefill")  # fmt: skip
     p.add_argument("--chunk", type=int, default=512)
-    p.add_argument("--per-kv-head", action="store_true", help="retrieval: one selection per kv head, not one shared table")  # fmt: skip
+    p.add_argument("--shared-table", action="store_true", help="retrieval: one table shared by the heads, not one selection per kv head")  # fmt: skip
     p.add_argument("--dense-layers", type=int, default=2, help="retrieval: first layers reading every page (Quest: 2)")  # fmt: skip
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--quick", action="store_true",
@@ -187,7 +188,7 @@ def main(argv=None) -> list[dict]:
                 keep = presslib.select_pages(pre, make_policy(press, ratio, args.page_size, window))
             if press == "retrieval":
                 sink = -(-SINK_TOKENS // args.page_size)
-                ans = presslib.answer_retrieval(model, pre, forced, new, ratio=ratio, sink_pages=sink, dense_layers=args.dense_layers, per_kv_head=args.per_kv_head)  # fmt: skip
+                ans = presslib.answer_retrieval(model, pre, forced, new, ratio=ratio, sink_pages=sink, dense_layers=args.dense_layers, per_kv_head=not args.shared_table)  # fmt: skip
             else:
                 ans = presslib.answer(model, pre, keep, forced, new, mode=args.residency)
             text = tok.decode([int(t) for t in ans.tokens])
@@ -211,7 +212,7 @@ def main(argv=None) -> list[dict]:
             "moved_bytes": int(np.mean([a.moved_bytes for a in answers])),
             "read_fraction": None if press != "retrieval" else round(float(np.mean([a.read_fraction for a in answers])), 4),
             "dense_layers": None if press != "retrieval" else args.dense_layers,
-            "per_kv_head": None if press != "retrieval" else args.per_kv_head,
+            "per_kv_head": None if press != "retrieval" else not args.shared_table,
             "bounds_fraction": None if press != "retrieval" else round(float(np.mean([a.bounds_fraction for a in answers])), 4),
             # Medians: the first sample's times include compiling.
             "prefill_s": round(float(np.median([p for p, _ in st])), 3),
