@@ -16,7 +16,23 @@ Presses (``--press``, comma-separated for a sweep over one prefill):
   ``offload.RetentionPolicy`` kinds;
 * ``pyramidkv`` (a per-layer budget, falling linearly with depth) and ``adakv`` (a per-head
   budget, one top-k over a layer's heads) on SnapKV's scores
-  (``examples.llama.press.select_adaptive``).
+  (``examples.llama.press.select_adaptive``);
+* ``retrieval`` (Quest-style query-aware retrieval, ``examples.llama.press.answer_retrieval``):
+  nothing is removed, every page stays on the device with its key bounds
+  (``paged.page_key_bounds``); the question (or, ``--mode aware``, the prompt's last token)
+  is read over every page like a prefill, and each decoded token's attention in every layer
+  reads only the pages its own query selects (``paged.select_pages_by_query``: the sink page,
+  the open page, and the rest by the upper bound of their logit), except in the first
+  ``--dense-layers`` layers (default 2, as Quest), which read every page and count in the
+  fraction read; each kv head selects its own pages (Quest's granularity; ``--shared-table``:
+  one table shared by the heads instead, ranked by the maximum bound over every head; the
+  same bytes read). Here ``--ratio`` is the
+  fraction of the KV bytes NOT read per decode step: the budget is ``ceil((1 - ratio) *
+  live pages)`` (``--ratio 0.9`` reads about 10%). The JSON reports the measured
+  ``read_fraction`` (pages read per step and layer over the live pages, averaged; a page's
+  keys and values are read whole) and ``bounds_fraction`` (the key bounds every step reads
+  to select, over the live KV bytes: ``1 / page_size`` for float32 pages); ``device_bytes``
+  is the full pool plus the bounds.
 
 Modes (``--mode``): ``agnostic`` (default, kvpress's): the context is compressed before the
 question arrives, the question is then read over what is left; ``aware``: context and
@@ -50,7 +66,7 @@ import sys
 
 import numpy as np
 
-PRESSES = ("none", "recency", "streaming", "h2o", "snapkv", "tova", "scissorhands", "pyramidkv", "adakv")  # fmt: skip
+PRESSES = ("none", "recency", "streaming", "h2o", "snapkv", "tova", "scissorhands", "pyramidkv", "adakv", "retrieval")  # fmt: skip
 NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48,
               "niah_multiquery": 48, "variable_tracking": 32, "common_words": 64}  # fmt: skip
 SNAPKV_POOL_TOKENS = 7
@@ -101,7 +117,7 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", default="niah_single")
     p.add_argument("--press", default="none", help=f"comma-separated, of {', '.join(PRESSES)}")
-    p.add_argument("--ratio", default="0.5", help="fraction removed; comma-separated")
+    p.add_argument("--ratio", default="0.5", help="fraction removed (retrieval: fraction of the KV bytes not read per decode step); comma-separated")  # fmt: skip
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -111,6 +127,8 @@ def parse(argv):
     p.add_argument("--kv-format", choices=("float32", "int8", "fp8", "int4", "kivi2"), default="float32")  # fmt: skip
     p.add_argument("--window", type=int, default=32, help="observed queries at the end of prefill")  # fmt: skip
     p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--shared-table", action="store_true", help="retrieval: one table shared by the heads, not one selection per kv head")  # fmt: skip
+    p.add_argument("--dense-layers", type=int, default=2, help="retrieval: first layers reading every page (Quest: 2)")  # fmt: skip
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--quick", action="store_true",
                    help="a minute's smoke run: --length 256 --samples 1 (the slow test's form)")  # fmt: skip
@@ -166,9 +184,13 @@ def main(argv=None) -> list[dict]:
                     recent=max(1, window // args.page_size),
                     pool_size=max(1, SNAPKV_POOL_TOKENS // args.page_size) | 1,
                 )  # fmt: skip
-            elif press != "none":
+            elif press not in ("none", "retrieval"):
                 keep = presslib.select_pages(pre, make_policy(press, ratio, args.page_size, window))
-            ans = presslib.answer(model, pre, keep, forced, new, mode=args.residency)
+            if press == "retrieval":
+                sink = -(-SINK_TOKENS // args.page_size)
+                ans = presslib.answer_retrieval(model, pre, forced, new, ratio=ratio, sink_pages=sink, dense_layers=args.dense_layers, per_kv_head=not args.shared_table)  # fmt: skip
+            else:
+                ans = presslib.answer(model, pre, keep, forced, new, mode=args.residency)
             text = tok.decode([int(t) for t in ans.tokens])
             scores[(press, ratio)].append(ruler.score(sample, text))
             stats[(press, ratio)].append((pre.seconds, ans))
@@ -188,6 +210,10 @@ def main(argv=None) -> list[dict]:
             "device_bytes": int(np.mean([a.device_bytes for a in answers])),
             "full_bytes": int(np.mean([a.full_bytes for a in answers])),
             "moved_bytes": int(np.mean([a.moved_bytes for a in answers])),
+            "read_fraction": None if press != "retrieval" else round(float(np.mean([a.read_fraction for a in answers])), 4),
+            "dense_layers": None if press != "retrieval" else args.dense_layers,
+            "per_kv_head": None if press != "retrieval" else not args.shared_table,
+            "bounds_fraction": None if press != "retrieval" else round(float(np.mean([a.bounds_fraction for a in answers])), 4),
             # Medians: the first sample's times include compiling.
             "prefill_s": round(float(np.median([p for p, _ in st])), 3),
             "answer_s_per_token": round(float(np.median([a.seconds for a in answers])) / new, 4),

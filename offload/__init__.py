@@ -12,7 +12,10 @@ n     pages moved by one call
 ====  ==========================================
 
 Pools are ``k_pages, v_pages [L, K, P, C, H]`` (or ``[K, P, C, H]`` per layer); tiers are
-device memory, pinned host memory and disk. Quantized pools (``paged.QuantizedPages``, int8,
+device memory, pinned host memory and disk. Pages demoted to pinned host can stay readable
+per step: their key bounds stay on the device (:func:`with_host_bounds`) and
+:func:`retrieval_decode_attention` fetches only the host pages each query selects
+(Quest-style; ``select_keep(..., mode="retrieve")``). Quantized pools (``paged.QuantizedPages``, int8,
 fp8, int4 or kivi2) move through every tier as they are stored: data and scale pages (kivi2:
 and zero-point pages) together, bytes counted for all; a kivi2 pool's residual window (each
 sequence's most recent pages) stays on the device.
@@ -51,6 +54,13 @@ from offload._policies import (
 )
 from offload._policy_reference import select_keep_reference, update_policy_state_reference
 from offload._retention import POLICY_KINDS, RetentionPolicy, budget_units
+from offload._retrieval import (
+    RetrievalDecode,
+    StagedPages,
+    fetch_selected_pages,
+    retrieval_decode_attention,
+    with_host_bounds,
+)
 from offload._shared_pages import keep_shared_pages
 from offload._staging import make_staging_pool, staging_table
 from offload._stats import (
@@ -87,6 +97,12 @@ __all__: list[str] = [
     "mixed_residency_attention",
     "split_residency",
     "staging_table",
+    # query-aware retrieval from pinned host (issue 31)
+    "RetrievalDecode",
+    "StagedPages",
+    "fetch_selected_pages",
+    "retrieval_decode_attention",
+    "with_host_bounds",
     # tiers, host pool, disk, accounting
     "CorruptCacheError",
     "DIRECTIONS",

@@ -81,7 +81,11 @@ evicts it, so evicting it (scrubbing, freeing, reusing its device copy) never ch
 keeping row reads. Such a row may keep more units than its budget.
 
 A pinned request (``pinned[b]``) keeps every live unit. ``mode="demote"`` (default) returns the
-evicted units as ``demote`` for the tier layer; ``mode="drop"`` as ``drop``.
+evicted units as ``demote`` for the tier layer; ``mode="drop"`` as ``drop``; ``mode="retrieve"``
+as ``retrieve``: they go to pinned host like demoted units, but keep their key bounds on the
+device (:func:`offload.with_host_bounds`) and stay candidates of every decode step's
+query-aware selection (:func:`offload.retrieval_decode_attention`), instead of being fetched
+back wholesale or not at all.
 
 References:
   Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (StreamingLLM), 2023;
@@ -131,11 +135,16 @@ class Selection(NamedTuple):
       keep: ``[B, U]`` bool, stays on the device.
       demote: ``[B, U]`` bool, leaves the device for host or disk (``mode="demote"``).
       drop: ``[B, U]`` bool, discarded (``mode="drop"``).
+      retrieve: ``[B, U]`` bool, leaves the device for pinned host with its key bounds kept
+        on the device, read back per step when a query selects it (``mode="retrieve"``).
+        Always set by :func:`select_keep` (all False in the other modes); None only in a
+        ``Selection`` built by hand with three fields.
     """
 
     keep: Bool[Array, "B U"]
     demote: Bool[Array, "B U"]
     drop: Bool[Array, "B U"]
+    retrieve: Bool[Array, "B U"] | None = None
 
 
 def _check_policy(fn: str, policy) -> None:
@@ -290,10 +299,11 @@ def select_keep(
         for ``granularity="page"``. Pass it whenever rows may share pages (a prefix cache,
         forks): without it each row is selected alone.
       pinned: optional ``[B]`` bool; a pinned sequence keeps every live unit.
-      mode: ``"demote"`` (evicted units go to ``demote``) or ``"drop"`` (to ``drop``).
+      mode: ``"demote"`` (evicted units go to ``demote``), ``"drop"`` (to ``drop``) or
+        ``"retrieve"`` (to ``retrieve``: see the module docstring).
 
     Returns:
-      A :class:`Selection` of ``[B, U]`` bool masks: disjoint, union = live units.
+      A :class:`Selection` of four ``[B, U]`` bool masks: disjoint, union = live units.
 
     Raises:
       ValueError: on a bad ``mode``, ``policy``, or shapes/dtypes of ``lengths``,
@@ -308,7 +318,7 @@ def select_keep(
     """
     fn = "select_keep"
     _check_policy(fn, policy)
-    check_choice(fn, "mode", mode, ("demote", "drop"))
+    check_choice(fn, "mode", mode, ("demote", "drop", "retrieve"))
     scores = state.scores
     B, U = scores.shape
     check_lengths(fn, lengths, B)
@@ -341,9 +351,12 @@ def select_keep(
         keep = live & keep_shared_pages(page_table, keep)
         evicted = live & ~keep
     none = jnp.zeros_like(keep)
-    if mode == "demote":
-        return Selection(keep=keep, demote=evicted, drop=none)
-    return Selection(keep=keep, demote=none, drop=evicted)
+    return Selection(
+        keep=keep,
+        demote=evicted if mode == "demote" else none,
+        drop=evicted if mode == "drop" else none,
+        retrieve=evicted if mode == "retrieve" else none,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("page_size",))

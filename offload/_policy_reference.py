@@ -53,7 +53,7 @@ def select_keep_reference(
 ) -> Selection:
     """Numpy oracle of :func:`select_keep`: a :class:`Selection` of numpy bool ``[B, U]``.
 
-    Plain numpy loops for tests (not jittable); unpacks as ``keep, demote, drop`` like the
+    Plain numpy loops for tests (not jittable); unpacks as ``keep, demote, drop, retrieve`` like the
     function it checks.
     """
     scores = np.asarray(scores, np.float32)
@@ -90,6 +90,9 @@ def select_keep_reference(
                 if evicted[b, u] and int(table[b, u]) in kept_ids:
                     keep[b, u], evicted[b, u] = True, False
     none = np.zeros((B, U), bool)
-    if mode == "demote":
-        return Selection(keep=keep, demote=evicted, drop=none)
-    return Selection(keep=keep, demote=none, drop=evicted)
+    return Selection(
+        keep=keep,
+        demote=evicted if mode == "demote" else none,
+        drop=evicted if mode == "drop" else none,
+        retrieve=evicted if mode == "retrieve" else none,
+    )

@@ -53,6 +53,14 @@ tokens in a float32 window (``KVFormat("kivi2", residual=R)``: the open page and
 ``residual_len [L, K, B]``) and stores a page whole when it fills; :func:`select_rows` narrows the residual for a table
 whose rows are another order of the cache's.
 
+Query-aware retrieval (Quest): :class:`PageKeyBounds` holds each page's elementwise key
+minimum and maximum per kv head (:func:`page_key_bounds`, kept current by
+:func:`refresh_key_bounds` and :func:`copy_key_bounds`); :func:`select_pages_by_query` picks
+the ``budget`` pages whose logit upper bound is largest for a step's queries (sink and recent
+pages always), :func:`retrieval_table` compacts them into a page table that
+:func:`paged_attention` reads exactly, and :func:`retrieval_attention` does the three; a
+budget of every live page equals full attention.
+
 Page 0 is our reserved null page; JAX's and vLLM's page tables use page 0 as an ordinary
 page: :func:`from_zero_based_table` converts (``table + 1`` over pools of ``P + 1`` pages),
 :func:`to_zero_based_table` back. ``from_jax_*`` / ``to_jax_*`` convert quantized pools to and
@@ -104,7 +112,17 @@ from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
 from paged._quantized import KVFormat, QuantizedPages, quantize_pages, select_rows
 from paged._reference import paged_attention_reference, ragged_paged_attention_reference
+from paged._retrieval import (
+    PageSelection,
+    RetrievalTable,
+    page_logit_bounds,
+    retrieval_attention,
+    retrieval_pool,
+    retrieval_table,
+    select_pages_by_query,
+)
 from paged._sharded import sharded_paged_attention
+from paged._summaries import PageKeyBounds, copy_key_bounds, page_key_bounds, refresh_key_bounds
 from paged._validate import from_zero_based_table, validate, validate_page_table
 
 __all__ = [
@@ -123,9 +141,13 @@ __all__ = [
     "FreePageStack",
     "PagedAttentionOutput",
     "PagedKVCache",
+    "PageKeyBounds",
+    "PageSelection",
+    "RetrievalTable",
     "QuantizedPages",
     "advance",
     "append",
+    "copy_key_bounds",
     "copy_pages",
     "ensure_next_page",
     "from_jax_gpu_scale_pages",
@@ -138,6 +160,8 @@ __all__ = [
     "make_free_stack",
     "paged_attention",
     "paged_attention_reference",
+    "page_key_bounds",
+    "page_logit_bounds",
     "pages_to_reserve",
     "pop_pages",
     "push_pages",
@@ -145,6 +169,11 @@ __all__ = [
     "select_rows",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "refresh_key_bounds",
+    "retrieval_attention",
+    "retrieval_pool",
+    "retrieval_table",
+    "select_pages_by_query",
     "sharded_paged_attention",
     "taken_pages",
     "to_jax_gpu_scale_pages",

@@ -183,6 +183,20 @@ def test_bench_kvquant_quick_run_writes_every_section(tmp_path):
     assert "**no**" not in text  # every documented bound held
 
 
+@pytest.mark.slow  # ~1.5 min on 2 shared cores
+def test_bench_retrieval_quick_run_checks_and_reports_every_mode(tmp_path):
+    """``--quick`` end to end in its own process: its correctness checks (fetch everything =
+    all on device; retrieval from host = retrieval on device) run before any timing."""
+    out = tmp_path / "retrieval.md"
+    command = [sys.executable, "-m", "benchmarks.bench_retrieval", "--quick", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    for row in ("| all on device |", "| fetch everything |", "| retrieval 10% |",
+                "| retrieval 10%, all on device |", "| full cache (all on device) |", "Goal:"):  # fmt: skip
+        assert row in text, row
+
+
 def _check_gaps_tables(results):
     """The gap and scaling tables of ``results``: every row there, every ratio positive and
     finite, every row of the Markdown body present (no timing is asserted)."""

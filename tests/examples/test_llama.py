@@ -397,6 +397,32 @@ def test_press_drop_frees_pages_and_never_reads_them(pressed):
     assert not np.array_equal(press.answer(model, bad, keep, question, 5, bucket=8).tokens, dropped.tokens)  # fmt: skip
 
 
+def test_press_retrieval_at_ratio_0_is_exact_and_reads_the_budget_at_a_ratio(pressed):
+    from examples.llama import press
+
+    model, pre, _, question, want, _ = pressed
+    full = press.answer_retrieval(model, pre, question, 5, ratio=0.0, per_kv_head=False, bucket=8)
+    np.testing.assert_array_equal(full.tokens, want)  # press none's tokens
+    assert full.read_fraction == 1.0 and full.device_bytes > full.full_bytes  # + the bounds
+    assert full.bounds_fraction == pytest.approx(1 / 8)  # 2 H float32 per page of 2 C H
+    # 45 + 7 + 4 tokens: 7 live pages at every step; ratio 0.7 reads ceil(0.3 * 7) = 3.
+    part = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=0,
+                                  per_kv_head=False, bucket=8)  # fmt: skip
+    assert part.kept_pages == 3 and part.read_fraction == pytest.approx(3 / 7)
+    assert part.tokens.shape == (5,)
+    # Quest's dense first layers read every page, and count: layer 0 all 7, layer 1 three.
+    first = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=1, bucket=8)
+    assert first.read_fraction == pytest.approx((7 + 3) / 14)
+    # One selection per kv head (the default): exact at ratio 0, the same bytes at a ratio.
+    heads = press.answer_retrieval(model, pre, question, 5, ratio=0.0, per_kv_head=True, bucket=8)
+    np.testing.assert_array_equal(heads.tokens, want)
+    heads = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=0,
+                                   per_kv_head=True, bucket=8)  # fmt: skip
+    assert heads.read_fraction == pytest.approx(3 / 7)
+    with pytest.raises(ValueError, match=r"ratio: expected a fraction not read in \[0, 1\)"):
+        press.answer_retrieval(model, pre, question, 5, ratio=1.0)
+
+
 def test_press_checks(pressed):
     import offload
     from examples.llama import press

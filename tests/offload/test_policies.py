@@ -32,7 +32,7 @@ def _sel_np(sel):
 
 
 def _assert_selection_equal(sel, ref):
-    for name, a, b in zip(("keep", "demote", "drop"), _sel_np(sel), ref, strict=True):
+    for name, a, b in zip(("keep", "demote", "drop", "retrieve"), _sel_np(sel), ref, strict=True):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
@@ -224,7 +224,7 @@ def test_scissorhands_random_steps_match_reference():
             state = update_jit(state, jnp.asarray(mass), policy=policy)
             ref_scores = update_policy_state_reference(ref_scores, mass, policy=policy)
             assert_close(state.scores, ref_scores, dtype=jnp.float32, what=f"scores {step}")
-            for mode in ("demote", "drop"):
+            for mode in ("demote", "drop", "retrieve"):
                 args = dict(policy=policy, page_table=table, pinned=pinned, mode=mode)
                 sel = select_jit(state, jnp.asarray(lengths), **args)
                 _assert_selection_equal(sel, select_keep_reference(ref_scores, lengths, **args))
@@ -258,8 +258,13 @@ def test_fraction_budget_is_exact_integer_ceil():
 def test_drop_mode_reports_drop_not_demote():
     pol = RetentionPolicy("recency", 1, granularity="token")
     sel = select_keep(_state(np.zeros((1, 4))), jnp.array([3]), policy=pol, mode="drop")
-    assert not np.asarray(sel.demote).any()
+    assert not np.asarray(sel.demote).any() and not np.asarray(sel.retrieve).any()
     assert np.asarray(sel.drop[0]).nonzero()[0].tolist() == [0, 1]
+    sel = select_keep(_state(np.zeros((1, 4))), jnp.array([3]), policy=pol, mode="retrieve")
+    assert not (np.asarray(sel.demote) | np.asarray(sel.drop)).any()
+    assert np.asarray(sel.retrieve[0]).nonzero()[0].tolist() == [0, 1]
+    with pytest.raises(ValueError, match="mode"):
+        select_keep(_state(np.zeros((1, 4))), jnp.array([3]), policy=pol, mode="fetch")
 
 
 # --------------------------------------------------------------------------- random vs numpy
@@ -280,7 +285,7 @@ POLICIES = [
 @pytest.mark.parametrize("jit", [False, True])
 def test_random_matches_reference(index, jit):
     policy = POLICIES[index]
-    mode = ("demote", "drop")[(index + jit) % 2]  # each policy sees both modes over jit/eager
+    mode = ("demote", "drop", "retrieve")[(index + jit) % 3]  # every mode over the policies
     rng = np.random.default_rng(0)
     B, N, U = 4, 2, 12
     C = policy.page_size or 1
@@ -367,7 +372,7 @@ def _cases(draw):
     if granularity == "page":
         holes = draw(st.lists(st.booleans(), min_size=B_H * U_H, max_size=B_H * U_H))
         table = np.where(np.array(holes), 0, np.arange(1, B_H * U_H + 1)).reshape(B_H, U_H)
-    mode = draw(st.sampled_from(["demote", "drop"]))
+    mode = draw(st.sampled_from(["demote", "drop", "retrieve"]))
     return policy, np.array(lengths), np.array(scores).reshape(B_H, U_H), pinned, table, mode
 
 
@@ -385,16 +390,19 @@ def test_selection_invariants(case):
         pinned=jnp.asarray(pinned),
         mode=mode,
     )
-    keep, demote, drop = _sel_np(sel)
+    keep, demote, drop, retrieve = _sel_np(sel)
     C = policy.page_size or 1
     idx = np.arange(U_H)[None]
     live = idx < -(-lengths[:, None] // C)
     if table is not None:
         live &= table != 0
-    evicted = demote | drop
+    evicted = demote | drop | retrieve
     np.testing.assert_array_equal(keep | evicted, live)  # keep ∪ demote = live
     assert not (keep & evicted).any() and not (demote & drop).any()  # disjoint
-    assert not (drop if mode == "demote" else demote).any()
+    assert not ((demote & retrieve).any() or (drop & retrieve).any())
+    moved = {"demote": demote, "drop": drop, "retrieve": retrieve}
+    np.testing.assert_array_equal(moved.pop(mode), evicted)  # the evicted go to the mode's mask
+    assert not any(m.any() for m in moved.values())
     n_live = live.sum(-1)
     expected = np.where(pinned, n_live, budget_units(policy, n_live))
     np.testing.assert_array_equal(keep.sum(-1), expected)  # budget respected exactly
