@@ -21,15 +21,9 @@ L     layers
 ====  ==========================================
 """
 
+from offload.planning._article import ARTICLE, ARTICLE_RULES, ARTICLE_SECTIONS, MEASURED
 from offload.planning._cost_model import CostEstimate
-from offload.planning._planner import (
-    ARTICLE,
-    ARTICLE_RULES,
-    ARTICLE_SECTIONS,
-    MEASURED,
-    TIE_THRESHOLD,
-    plan,
-)
+from offload.planning._planner import plan
 from offload.planning._planner_types import (
     KV_FORMATS,
     Decision,
@@ -42,6 +36,7 @@ from offload.planning._planner_types import (
     Tiers,
     Workload,
 )
+from offload.planning._strategy import TIE_THRESHOLD
 
 __all__: list[str] = [
     "ARTICLE",
