@@ -8,10 +8,8 @@ Pure Python; no arrays.
 
 import dataclasses
 
-from offload.planning._planner_types import (
-    Hardware,
-    Reason,
-)
+from offload.planning._hardware import Hardware
+from offload.planning._planner_types import Reason
 
 __all__ = [
     "ARTICLE",

@@ -18,13 +18,9 @@ from offload.planning._article import (
     _results,
     _size,
 )
-from offload.planning._planner_types import (
-    Decision,
-    Hardware,
-    Reason,
-    Tiers,
-    Workload,
-)
+from offload.planning._hardware import Hardware
+from offload.planning._planner_types import Decision, Reason, Tiers
+from offload.planning._workload import Workload
 
 
 def _sizing(workload: Workload) -> Decision:

@@ -29,14 +29,10 @@ from offload.planning._cost_model import (
     prefill_flops,
 )
 from offload.planning._decisions import _degrees, _page_size, _quantization, _sizing
-from offload.planning._planner_types import (
-    Decision,
-    Hardware,
-    Plan,
-    Reason,
-    Workload,
-)
+from offload.planning._hardware import Hardware
+from offload.planning._planner_types import Decision, Plan, Reason
 from offload.planning._strategy import _choose_strategy
+from offload.planning._workload import Workload
 
 __all__ = ["plan"]
 
