@@ -68,16 +68,8 @@ from paged._attention import (
     ragged_paged_attention,
 )
 from paged._batching import make_cu_q_lens, pages_to_reserve
-from paged._cache import (
-    PagedKVCache,
-    advance,
-    append,
-    gather_kv,
-    init_paged_cache,
-    with_page_table,
-    write,
-    write_layer,
-)
+from paged._cache import PagedKVCache, gather_kv, init_paged_cache, with_page_table
+from paged._cache_write import advance, append, write, write_layer
 from paged._copy import CopyPlan, copy_pages
 from paged._device_alloc import (
     FreePageStack,
