@@ -61,12 +61,7 @@ from JAX's kernels' conventions (ragged ``k_scale`` / ``v_scale``, TPU int8
 """
 
 from paged._allocator import Admission, PageAllocator
-from paged._attention import (
-    DEFAULT_PAGES_PER_BLOCK,
-    PagedAttentionOutput,
-    paged_attention,
-    ragged_paged_attention,
-)
+from paged._attention import DEFAULT_PAGES_PER_BLOCK, PagedAttentionOutput, paged_attention
 from paged._batching import make_cu_q_lens, pages_to_reserve
 from paged._cache import PagedKVCache, gather_kv, init_paged_cache, with_page_table
 from paged._cache_write import advance, append, write, write_layer
@@ -95,6 +90,7 @@ from paged._interop import (
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
 from paged._quantized import KVFormat, QuantizedPages, quantize_pages, select_rows
+from paged._ragged import ragged_paged_attention
 from paged._reference import paged_attention_reference, ragged_paged_attention_reference
 from paged._sharded import sharded_paged_attention
 from paged._validate import from_zero_based_table, validate, validate_page_table
