@@ -87,9 +87,10 @@ from paged._interop import (
     to_jax_tpu_quantized,
     to_zero_based_table,
 )
+from paged._kv_format import KVFormat
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
-from paged._quantized import KVFormat, QuantizedPages, quantize_pages, select_rows
+from paged._quantized import QuantizedPages, quantize_pages, select_rows
 from paged._ragged import ragged_paged_attention
 from paged._reference import paged_attention_reference, ragged_paged_attention_reference
 from paged._sharded import sharded_paged_attention

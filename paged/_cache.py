@@ -51,7 +51,8 @@ from paged._checks import (
     int_option,
     layer_index,
 )
-from paged._quantized import KVFormat, QuantizedPages, is_quantized, take_decoded
+from paged._kv_format import KVFormat
+from paged._quantized import QuantizedPages, is_quantized, take_decoded
 
 __all__ = ["PagedKVCache", "gather_kv", "init_paged_cache", "with_page_table"]
 

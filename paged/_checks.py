@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged._quantized import KVFormat, is_quantized
+from paged._kv_format import KVFormat
+from paged._quantized import is_quantized
 
 __all__ = [
     "check_array",

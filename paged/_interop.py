@@ -43,7 +43,8 @@ import numpy as np
 from jaxtyping import Array, Int, Shaped
 
 from paged._checks import check_array, check_quantized, describe
-from paged._quantized import KVFormat, QuantizedPages, dequantize_block, is_quantized
+from paged._kv_format import KVFormat
+from paged._quantized import QuantizedPages, dequantize_block, is_quantized
 
 __all__ = [
     "JAX_TPU_MAX_INT8",
