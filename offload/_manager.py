@@ -25,7 +25,8 @@ from offload._host_pool import (
     stat_shape,
     zeros_pools,
 )
-from offload._page_copy import copy_pages, gather_pages, scatter_pages
+from offload._page_copy import copy_pages
+from offload._page_numpy import gather_pages, scatter_pages
 from offload._stats import OffloadStats, page_nbytes
 from offload._tiers import PINNED_HOST, TransferHandle, ready, wait
 from offload._transfers import page_in, page_out, prefetch_layer
