@@ -76,17 +76,15 @@ from paged._device_alloc import (
 )
 from paged._interop import (
     JAX_TPU_MAX_INT8,
-    JaxRaggedKV,
     JaxScalePages,
     KVPoolPair,
     from_jax_gpu_scale_pages,
-    from_jax_ragged_kv_pages,
     from_jax_tpu_quantized,
     to_jax_gpu_scale_pages,
-    to_jax_ragged_kv_pages,
     to_jax_tpu_quantized,
     to_zero_based_table,
 )
+from paged._interop_ragged import JaxRaggedKV, from_jax_ragged_kv_pages, to_jax_ragged_kv_pages
 from paged._kv_format import KVFormat
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
