@@ -4,7 +4,9 @@ Moving pages never allocates a fresh host buffer: a copy is a jitted call that d
 target pool and writes each selected source page into its target slot with one
 ``dynamic_update_slice`` (in place), with ``out_shardings`` in the target's memory kind; a
 fresh ``device_put`` of the same bytes was 3-5x slower on CPU and a gather + scatter 3-4x
-slower.
+slower. The prefetch kernels (host to device, one layer) are in
+:mod:`offload._prefetch_kernels`; pages to and from numpy (the disk tier) in
+:mod:`offload._page_numpy`.
 
 XLA:CPU runs programs of under 1000 flops inline on the caller's thread; each kernel carries
 a tiny flop-counted marker output so that copies dispatch asynchronously there too, and
@@ -48,7 +50,7 @@ from offload._host_pool import (
 )
 from offload._tiers import PINNED_HOST
 
-__all__ = ["bucket", "check_same_shards", "copy_pages", "prefetch_fn"]
+__all__ = ["bucket", "check_same_shards", "copy_pages"]
 
 
 # A tiny flop-counted side output (a dot of the ids' sum with a 1024-vector, discarded) makes
@@ -384,165 +386,3 @@ def copy_pages(source, target, src: np.ndarray, dst: np.ndarray):
     else:
         k, v, markers = _copy_global(source, target, src, dst)
     return k, v, tuple(markers)
-
-
-def layer_sharding(sharding, ndim: int = 5):
-    """The sharding of one layer ``[K, n, C, H]`` cut from a pool sharded as ``[L, K, P, C, H]``.
-
-    ``ndim`` is the pool leaf's rank (4 for the scales ``[L, K, P, C]`` of a quantized pool).
-    """
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-        if spec[0] is not None:
-            raise NotImplementedError(
-                f"prefetch_layer: host_pool: pools sharded over the layer axis are not "
-                f"supported, got {spec}"
-            )
-        return jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]), memory_kind=device_kind(sharding)
-        )
-    return sharding.with_memory_kind(device_kind(sharding))
-
-
-@functools.lru_cache(maxsize=64)
-def prefetch_fn(host_sharding, contiguous: bool, into: bool, ndim: int = 5):
-    """Copies pages ``slots`` of one layer to device, into a donated buffer when ``into``.
-
-    ``ndim``: the leaf's rank, 5 for ``[L, K, P, C, H]`` values, 4 for ``[L, K, P, C]`` scales.
-    """
-    target = layer_sharding(host_sharding, ndim)
-    host_index = replicated(host_sharding, PINNED_HOST)
-    device_index = replicated(host_sharding, device_kind(host_sharding))
-
-    def fn(pool, layer, slots, out=None):
-        marker = _async_marker(slots)
-        layer, slots = jax.device_put(layer, host_index), jax.device_put(slots, host_index)
-        K, rest = pool.shape[1], pool.shape[3:]  # rest: (C, H) or (C,) for scales
-        zeros = (0,) * len(rest)
-        n = slots.shape[0]
-        if contiguous:  # slots[0] ... slots[0] + n - 1: one slice, one copy
-            pages = lax.dynamic_slice(pool, (layer, 0, slots[0], *zeros), (1, K, n, *rest))
-            pages = jax.device_put(pages[0], target)
-            return (pages if out is None else out.at[:].set(pages)), marker
-        # One slice per page straight from [L, K, P, C, H] (no layer copy first), written in
-        # place into the device buffer: measured 2-3x faster on CPU than slicing the layer
-        # out and concatenating the pages.
-        if out is None:
-            out = jax.device_put(jnp.zeros((K, n, *rest), pool.dtype), target)
-        for i in range(n):
-            page = lax.dynamic_slice(pool, (layer, 0, slots[i], *zeros), (1, K, 1, *rest))
-            page = jax.device_put(page[0], target)  # [K, 1, C, H]
-            out = lax.dynamic_update_slice_in_dim(out, page, i, axis=1)
-        return out, marker
-
-    return jax.jit(
-        fn,
-        donate_argnums=(3,) if into else (),
-        in_shardings=(host_sharding, device_index, device_index) + ((target,) if into else ()),
-        out_shardings=(target, device_index),
-    )
-
-
-def _page_index(index: tuple, axis: int, positions: np.ndarray) -> tuple:
-    """A shard's index tuple with its page-axis slice replaced by ``positions``."""
-    return (*index[:axis], positions, *index[axis + 1 :])
-
-
-def gather_pages(pool: jax.Array, slots: np.ndarray, axis: int | None = None) -> np.ndarray:
-    """A numpy copy ``[..., n, C, H]`` of pages ``slots`` of a pool, read shard by shard.
-
-    Works for any sharding (each device's shard contributes the pages it holds), so a pool
-    split along the page axis is never gathered whole. ``axis`` overrides the page axis
-    (``ndim - 3``), for the scale leaf of a quantized pool.
-    """
-    axis = pool.ndim - 3 if axis is None else axis
-    out = np.empty((*pool.shape[:axis], slots.size, *pool.shape[axis + 1 :]), pool.dtype)
-    for shard in pool.addressable_shards:
-        lo = shard.index[axis].start or 0
-        mine = np.flatnonzero((slots >= lo) & (slots < lo + shard.data.shape[axis]))
-        if mine.size:
-            local = np.asarray(shard.data)
-            out[_page_index(shard.index, axis, mine)] = np.take(local, slots[mine] - lo, axis)
-    return out
-
-
-def scatter_pages(target, pages, dst: np.ndarray):
-    """Writes numpy pages ``pages`` into slots ``dst`` of ``target``.
-
-    ``target`` (a ``(k, v)`` pair of pools, float or quantized) is donated; ``pages`` holds one
-    numpy array ``[..., n, ...]`` per leaf of ``target`` (``k``, ``v`` for float pools; ``k``
-    data, ``k`` scales, ``v`` data, ``v`` scales for quantized ones). Each device receives only
-    the pages of its own shard, staged in its memory kind and copied in place by the page
-    kernel.
-
-    Returns:
-      ``(target_k, target_v)``, complete (this is the synchronous disk path).
-    """
-    axis = target[0].ndim - 3
-    targets = _flat(target)
-    new = tuple([] for _ in targets)
-    for part in range(len(targets)):
-        for shard in targets[part].addressable_shards:
-            lo = shard.index[axis].start or 0
-            mine = np.flatnonzero((dst >= lo) & (dst < lo + shard.data.shape[axis]))
-            if not mine.size:
-                new[part].append(shard.data)
-                continue
-            kind = shard.data.sharding.memory_kind
-            staging = jax.sharding.SingleDeviceSharding(shard.device, memory_kind=kind)
-            source = jax.device_put(pages[part][_page_index(shard.index, axis, mine)], staging)
-            source = jax.make_array_from_single_device_arrays(
-                source.shape, as_named(staging), [source]
-            )
-            fn = _copy_pages_fn(as_named(staging), as_named(shard.data.sharding), axis)
-            length = bucket(mine.size)
-            written, _ = fn(
-                source,
-                _named_shard(shard),
-                _padded(np.arange(mine.size), length),
-                _padded(dst[mine] - lo, length),
-                np.int32(mine.size),
-            )
-            new[part].append(written)
-    arrays = [
-        jax.make_array_from_single_device_arrays(t.shape, t.sharding, parts)
-        for t, parts in zip(targets, new, strict=True)
-    ]
-    return jax.block_until_ready(_unflat(target, arrays))
-
-
-def prefetch_pool_per_shard(pool, layer: int, slots: np.ndarray):
-    """:func:`prefetch_per_shard` of a float or quantized pool (leaf by leaf, same slots)."""
-    out, markers = [], []
-    for leaf in leaves(pool):
-        pages, done = prefetch_per_shard(leaf, layer, slots)
-        out.append(pages)
-        markers += done
-    return rebuild(pool, out), markers
-
-
-def prefetch_per_shard(pool: jax.Array, layer: int, slots: np.ndarray):
-    """One layer of a pool split along the page axis, fetched device by device.
-
-    ``slots`` holds ``n / D`` slots of device block 0, then ``n / D`` of block 1, ...; each
-    device copies its own slots and the result ``[K, n, C, H]`` is split along ``n`` like the
-    pool is along its pages (the layout ``paged.sharded_paged_attention`` reads).
-
-    Returns:
-      ``(pages, markers)``.
-    """
-    shards = page_shards(pool, 2)  # [L, K, P, ...]: data or scales
-    per_slot, per_out = pool.shape[2] // shards, slots.size // shards
-    target = layer_sharding(pool.sharding, pool.ndim)
-    arrays, markers = [], []
-    for shard in pool.addressable_shards:
-        lo = shard.index[2].start or 0
-        block = lo // per_slot
-        local = (slots[block * per_out : (block + 1) * per_out] - lo).astype(np.int32)
-        contiguous = bool(np.all(np.diff(local) == 1))
-        fetch = prefetch_fn(as_named(shard.data.sharding), contiguous, False, pool.ndim)
-        pages, marker = fetch(_named_shard(shard), np.int32(layer), local)
-        arrays.append(pages)
-        markers.append(marker)
-    shape = (pool.shape[1], slots.size, *pool.shape[3:])
-    return jax.make_array_from_single_device_arrays(shape, target, arrays), markers

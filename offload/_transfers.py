@@ -63,12 +63,8 @@ from offload._host_pool import (
     page_shards,
     rebuild,
 )
-from offload._page_copy import (
-    check_same_shards,
-    copy_pages,
-    prefetch_fn,
-    prefetch_pool_per_shard,
-)
+from offload._page_copy import check_same_shards, copy_pages
+from offload._prefetch_kernels import prefetch_fn, prefetch_pool_per_shard
 from offload._tiers import TransferHandle
 from paged import QuantizedPages
 

@@ -69,23 +69,10 @@ from JAX's kernels' conventions (ragged ``k_scale`` / ``v_scale``, TPU int8
 """
 
 from paged._allocator import Admission, PageAllocator
-from paged._attention import (
-    DEFAULT_PAGES_PER_BLOCK,
-    PagedAttentionOutput,
-    paged_attention,
-    ragged_paged_attention,
-)
+from paged._attention import DEFAULT_PAGES_PER_BLOCK, PagedAttentionOutput, paged_attention
 from paged._batching import make_cu_q_lens, pages_to_reserve
-from paged._cache import (
-    PagedKVCache,
-    advance,
-    append,
-    gather_kv,
-    init_paged_cache,
-    with_page_table,
-    write,
-    write_layer,
-)
+from paged._cache import PagedKVCache, gather_kv, init_paged_cache, with_page_table
+from paged._cache_write import advance, append, write, write_layer
 from paged._copy import CopyPlan, copy_pages
 from paged._device_alloc import (
     FreePageStack,
@@ -97,30 +84,29 @@ from paged._device_alloc import (
 )
 from paged._interop import (
     JAX_TPU_MAX_INT8,
-    JaxRaggedKV,
     JaxScalePages,
     KVPoolPair,
     from_jax_gpu_scale_pages,
-    from_jax_ragged_kv_pages,
     from_jax_tpu_quantized,
     to_jax_gpu_scale_pages,
-    to_jax_ragged_kv_pages,
     to_jax_tpu_quantized,
     to_zero_based_table,
 )
+from paged._interop_ragged import JaxRaggedKV, from_jax_ragged_kv_pages, to_jax_ragged_kv_pages
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
 from paged._quantized import KVFormat, QuantizedPages, quantize_pages, select_rows
+from paged._ragged import ragged_paged_attention
 from paged._reference import paged_attention_reference, ragged_paged_attention_reference
 from paged._retrieval import (
     PageSelection,
     RetrievalTable,
     page_logit_bounds,
-    retrieval_attention,
     retrieval_pool,
     retrieval_table,
     select_pages_by_query,
 )
+from paged._retrieval_attention import retrieval_attention
 from paged._sharded import sharded_paged_attention
 from paged._summaries import PageKeyBounds, copy_key_bounds, page_key_bounds, refresh_key_bounds
 from paged._validate import from_zero_based_table, validate, validate_page_table

@@ -8,6 +8,8 @@ A model's step writes layer ``l``'s new KV with :func:`write_layer` and attends 
 :func:`paged.paged_attention` over ``lengths + T`` tokens; after the last layer,
 :func:`advance` moves ``lengths`` on by ``T``. :func:`append` and :func:`write` do both for
 all layers at once (one decode token; a prefill chunk).
+The writes live in :mod:`paged._cache_write`; this module holds the cache type,
+:func:`init_paged_cache`, :func:`gather_kv` and :func:`with_page_table`.
 
 The host allocator's page table and lengths enter the cache through :func:`with_page_table`
 (never ``cache._replace``); its copy plans through :func:`paged.copy_pages`.
@@ -45,25 +47,13 @@ from paged import _kivi
 from paged._checks import (
     check_array,
     check_table_values,
-    check_write_values,
-    concrete_values,
     describe,
     int_option,
-    is_int,
     layer_index,
 )
-from paged._quantized import KVFormat, QuantizedPages, is_quantized, set_tokens, take_decoded
+from paged._quantized import KVFormat, QuantizedPages, is_quantized, take_decoded
 
-__all__ = [
-    "PagedKVCache",
-    "advance",
-    "append",
-    "gather_kv",
-    "init_paged_cache",
-    "with_page_table",
-    "write",
-    "write_layer",
-]
+__all__ = ["PagedKVCache", "gather_kv", "init_paged_cache", "with_page_table"]
 
 IntScalar = int | np.integer
 
@@ -203,124 +193,6 @@ def init_paged_cache(
     )
 
 
-def _check_kv(fn: str, cache: PagedKVCache, k, v, *, per_layer: bool):
-    """Returns ``k, v`` as ``[(L,) B, T, K, H]`` after checking them against the cache."""
-    L, K, _, _, H = cache.k_pages.shape
-    B = cache.page_table.shape[0]
-    lead = () if per_layer else (L,)
-    for name, x in (("k", k), ("v", v)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise ValueError(f"{fn}: {name}: expected an array, got {type(x).__name__}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{fn}: {name}: expected a floating point array, got {describe(x)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{fn}: v: expected the shape of k {k.shape}, got {v.shape}")
-    if k.ndim == len(lead) + 3:  # one token: [(L,) B, K, H]
-        k, v = k[..., None, :, :], v[..., None, :, :]
-    if k.ndim != len(lead) + 4 or k.shape[: len(lead) + 1] != (*lead, B) or k.shape[-2:] != (K, H):
-        want = "[B, T, K, H] or [B, K, H]" if per_layer else "[L, B, T, K, H] or [L, B, K, H]"
-        raise ValueError(
-            f"{fn}: k: expected shape {want} with L={L}, B={B}, K={K}, H={H}, got {k.shape}"
-        )
-    if is_quantized(cache.k_pages):  # quantized from float32 on the way in
-        return k.astype(jnp.float32), v.astype(jnp.float32)
-    return k.astype(cache.k_pages.dtype), v.astype(cache.v_pages.dtype)
-
-
-def _start_positions(fn: str, start, B: int, name: str = "start"):
-    if isinstance(start, (bool, np.bool_)) or not (is_int(start) or hasattr(start, "dtype")):
-        raise ValueError(f"{fn}: {name}: expected an int or shape ({B},) ints, got {start!r}")
-    start = jnp.asarray(start)
-    if not jnp.issubdtype(start.dtype, jnp.integer) or start.shape not in ((), (B,)):
-        raise ValueError(
-            f"{fn}: {name}: expected an int or shape ({B},) ints, got {describe(start)}"
-        )
-    return jnp.broadcast_to(start.astype(jnp.int32), (B,))
-
-
-def _target_pages(cache: PagedKVCache, start, T: int, count=None):
-    """Page ids and in-page offsets ``[B, T]`` of positions ``start ... start + T - 1``.
-
-    Unwritable tokens (negative position, slot past the table, null or out-of-range page,
-    past ``count [B]``) get page id ``P``, which a ``mode="drop"`` scatter ignores (a
-    negative id would wrap).
-    """
-    P, C = cache.k_pages.shape[2], cache.k_pages.shape[3]
-    M = cache.page_table.shape[1]
-    pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    slot = pos // C
-    in_table = (pos >= 0) & (slot < M)
-    ids = jnp.take_along_axis(cache.page_table, jnp.clip(slot, 0, M - 1), axis=1)
-    ok = in_table & (ids > 0) & (ids < P)
-    if count is not None:
-        ok &= jnp.arange(T)[None, :] < count[:, None]
-    return jnp.where(ok, ids, P), pos % C
-
-
-def write_layer(
-    cache: PagedKVCache,
-    layer: Int[Array, ""] | IntScalar,
-    k: Float[Array, "B T K H"] | Float[Array, "B K H"],
-    v: Float[Array, "B T K H"] | Float[Array, "B K H"],
-    start: Int[Array, " B"] | Int[Array, ""] | IntScalar,
-    *,
-    count: Int[Array, " B"] | Int[Array, ""] | IntScalar | None = None,
-) -> PagedKVCache:
-    """Writes one layer's KV for positions ``start ... start + T - 1``; lengths unchanged.
-
-    Jittable as it is (``jax.jit(write_layer)``; ``layer`` may then be traced) and vmappable.
-
-    Args:
-      cache: the cache.
-      layer: layer index: an int in ``[0, L)`` or an integer 0-d array (traced: out of range
-        drops the write). A float is a ``ValueError``, never truncated.
-      k: ``[B, T, K, H]`` keys (or ``[B, K, H]`` for one token).
-      v: ``[B, T, K, H]`` values (or ``[B, K, H]``).
-      start: ``[B]`` or scalar int position of the first token, e.g. ``cache.lengths``.
-      count: ``[B]`` or scalar int: write only the first ``count`` tokens of each row (the
-        rest of a padded chunk is dropped); None writes all ``T``. A kivi2 cache needs it for
-        padded chunks: its pages are stored once full, and padding would fill them.
-
-    Returns:
-      The updated cache. Under ``jit``, tokens without a real page are dropped (see module
-      docs).
-
-    Raises:
-      ValueError: on shapes that do not match the cache, or a bad ``layer`` or ``count``;
-        on an eager call, a token written without a real page (negative position, past the
-        capacity ``M * C``, a null or out-of-range page id).
-
-    Example:
-      >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
-      >>> cache = with_page_table(cache, jnp.array([[3, 1]]))
-      >>> cache = write_layer(cache, 0, jnp.ones((1, 3, 1, 8)), jnp.ones((1, 3, 1, 8)), 0)
-      >>> float(cache.k_pages[0, 0, 1, 0, 0]), float(cache.k_pages[0, 0, 1, 1, 0])
-      (1.0, 0.0)
-    """
-    fn = "write_layer"
-    layer = layer_index(fn, layer, cache.k_pages.shape[0], traced_ok=True)
-    k, v = _check_kv(fn, cache, k, v, per_layer=True)
-    B, T = k.shape[:2]
-    start = _start_positions(fn, start, B)
-    count = _count(fn, count, B, T)
-    _check_targets(fn, cache, start, count)
-    return _write_layer_impl(cache, jnp.asarray(layer, jnp.int32), k, v, start, count)
-
-
-def _check_targets(fn: str, cache: PagedKVCache, start, count, start_name: str = "start"):
-    """Eager calls: every token written has a real page (see :func:`check_write_values`)."""
-    check_write_values(
-        fn,
-        cache.page_table,
-        start,
-        count,
-        num_pages=cache.k_pages.shape[2],
-        page_size=cache.k_pages.shape[3],
-        start_name=start_name,
-        table_name="cache.page_table",
-    )
-
-
 def _check_cache_table(fn: str, cache: PagedKVCache, lengths=None, lengths_name="lengths"):
     """Eager calls: lengths within capacity and on real pages (see
     :func:`check_table_values`)."""
@@ -335,165 +207,8 @@ def _check_cache_table(fn: str, cache: PagedKVCache, lengths=None, lengths_name=
     )
 
 
-def _count(fn: str, count, B: int, T: int):
-    if count is None:
-        return jnp.full((B,), T, jnp.int32)
-    return jnp.clip(_start_positions(fn, count, B, "count"), 0, T)
-
-
-@jax.jit
-def _write_layer_impl(cache, layer, k, v, start, count):
-    ids, offset = _target_pages(cache, start, k.shape[1], count)
-    L = cache.k_pages.shape[0]
-    layer = jnp.where((layer >= 0) & (layer < L), layer, L)  # out of range: dropped
-    if _is_kivi(cache):
-        layers = jnp.reshape(layer, (1,))
-        return cache._replace(
-            k_pages=_kivi_write(cache, cache.k_pages, k[None], start, count, layers),
-            v_pages=_kivi_write(cache, cache.v_pages, v[None], start, count, layers),
-        )
-    # Index [layer, :, ids, offset]: the advanced indices broadcast to [B, T] and lead.
-    index = (layer, slice(None), ids, offset)
-    k_pages = set_tokens(cache.k_pages, index, k)
-    v_pages = set_tokens(cache.v_pages, index, v)
-    return cache._replace(k_pages=k_pages, v_pages=v_pages)
-
-
-def advance(cache: PagedKVCache, n: Int[Array, " B"] | Int[Array, ""] | IntScalar) -> PagedKVCache:
-    """Adds ``n`` (scalar or ``[B]``) to ``lengths``.
-
-    Jittable as it is (``jax.jit(advance)``); under ``jit`` the result is clipped to
-    ``[0, capacity]``.
-
-    Raises:
-      ValueError: if ``n`` is not an int scalar or ``[B]`` ints; on an eager call, if a new
-        length is outside ``[0, capacity]`` or covers a slot without a real page.
-
-    Example:
-      >>> advance(init_paged_cache(1, 1, 4, 2, 8, batch=2, max_pages_per_seq=2), 3).lengths
-      Array([3, 3], dtype=int32)
-    """
-    n = _start_positions("advance", n, cache.lengths.shape[0], "n")
-    values = concrete_values(cache.lengths, n)
-    if values is not None:  # eager: the new lengths, unclipped, must be readable
-        _check_cache_table("advance", cache, values[0] + values[1], "lengths + n")
-    return cache._replace(lengths=jnp.clip(cache.lengths + n, 0, cache.capacity))
-
-
-def append(
-    cache: PagedKVCache,
-    k: Float[Array, "L B K H"] | Float[Array, "L B 1 K H"],
-    v: Float[Array, "L B K H"] | Float[Array, "L B 1 K H"],
-) -> PagedKVCache:
-    """Writes one decode token per sequence for every layer at ``lengths``, then advances by 1.
-
-    Jittable as it is (``jax.jit(append)``) and vmappable.
-
-    Args:
-      cache: the cache.
-      k: ``[L, B, K, H]`` (or ``[L, B, 1, K, H]``) keys of the new token.
-      v: ``[L, B, K, H]`` (or ``[L, B, 1, K, H]``) values.
-
-    Returns:
-      The updated cache. Under ``jit``, a sequence whose next slot has no page drops its
-      token but its length still grows (pair with :func:`paged.ensure_next_page` and
-      :func:`write_layer` with ``count=ok`` + ``advance(cache, ok)`` to stop such sequences
-      instead); :func:`paged.validate` reports such a cache.
-
-    Raises:
-      ValueError: on shapes that do not match the cache; on an eager call, a sequence whose
-        next position has no real page or is at capacity (reserve a page first).
-
-    Example:
-      >>> cache = init_paged_cache(2, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
-      >>> cache = append(with_page_table(cache, jnp.array([[2, 0]])),
-      ...                jnp.ones((2, 1, 1, 8)), jnp.ones((2, 1, 1, 8)))
-      >>> cache.lengths
-      Array([1], dtype=int32)
-    """
-    k, v = _check_kv("append", cache, k, v, per_layer=False)
-    if k.shape[2] != 1:
-        raise ValueError(
-            f"append: k: expected one token per sequence [L, B, K, H], got T={k.shape[2]}"
-        )
-    B = k.shape[1]
-    _check_targets("append", cache, cache.lengths, jnp.ones((B,), jnp.int32), "cache.lengths")
-    return write(cache, k, v, cache.lengths)
-
-
-def write(
-    cache: PagedKVCache,
-    k: Float[Array, "L B T K H"] | Float[Array, "L B K H"],
-    v: Float[Array, "L B T K H"] | Float[Array, "L B K H"],
-    start: Int[Array, " B"] | Int[Array, ""] | IntScalar,
-    *,
-    count: Int[Array, " B"] | Int[Array, ""] | IntScalar | None = None,
-) -> PagedKVCache:
-    """Writes a chunk for every layer at ``start ... start + T - 1`` (prefill).
-
-    Jittable as it is (``jax.jit(write)``).
-
-    ``lengths`` becomes ``max(lengths, start + T)`` (with ``count``: ``start + count``, rows
-    with ``count == 0`` keeping theirs), clipped to capacity.
-
-    Args:
-      cache: the cache.
-      k: ``[L, B, T, K, H]`` keys (or ``[L, B, K, H]`` for one token).
-      v: ``[L, B, T, K, H]`` values.
-      start: ``[B]`` or scalar int first position.
-      count: ``[B]`` or scalar int tokens of each row to write (the rest is dropped); None
-        writes all ``T`` (see :func:`write_layer`).
-
-    Returns:
-      The updated cache (under ``jit``, unwritable tokens dropped, see module docs).
-
-    Raises:
-      ValueError: on shapes that do not match the cache; on an eager call, a token written
-        without a real page (see :func:`write_layer`).
-
-    Example:
-      >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
-      >>> cache = with_page_table(cache, jnp.array([[2, 3]]))
-      >>> write(cache, jnp.ones((1, 1, 3, 1, 8)), jnp.ones((1, 1, 3, 1, 8)), 0).lengths
-      Array([3], dtype=int32)
-    """
-    fn = "write"
-    k, v = _check_kv(fn, cache, k, v, per_layer=False)
-    start = _start_positions(fn, start, k.shape[1])
-    given = count is not None
-    count = _count(fn, count, k.shape[1], k.shape[2])
-    _check_targets(fn, cache, start, count)
-    return _write_impl(cache, k, v, start, count, given)
-
-
-@functools.partial(jax.jit, static_argnums=5)
-def _write_impl(cache, k, v, start, count, given: bool):
-    L, _, T = k.shape[:3]
-    end = jnp.where(count > 0, start + count, cache.lengths) if given else start + T
-    lengths = jnp.clip(jnp.maximum(cache.lengths, end), 0, cache.capacity)
-    if _is_kivi(cache):
-        layers = jnp.arange(L, dtype=jnp.int32)
-        return PagedKVCache(
-            _kivi_write(cache, cache.k_pages, k, start, count, layers),
-            _kivi_write(cache, cache.v_pages, v, start, count, layers),
-            cache.page_table,
-            lengths,
-        )
-    ids, offset = _target_pages(cache, start, T, count)
-    # [L, :, ids, offset] -> indexed shape [L, B, T, K, H] (advanced dims after the slice).
-    layers = jnp.arange(L)[:, None, None]
-    index = (layers, slice(None), ids[None], offset[None])
-    k_pages = set_tokens(cache.k_pages, index, k)
-    v_pages = set_tokens(cache.v_pages, index, v)
-    return PagedKVCache(k_pages, v_pages, cache.page_table, lengths)
-
-
 def _is_kivi(cache) -> bool:
     return is_quantized(cache.k_pages) and cache.k_pages.format.kind == "kivi2"
-
-
-def _kivi_write(cache, pool, x, start, count, layers):
-    return _kivi.write_tokens(pool, cache.page_table, x, start, count, layers, cache.capacity)
 
 
 def gather_kv(

@@ -123,6 +123,43 @@ def test_no_import_circle_between_the_library_modules():
     assert "ringattn._pallas_tpu" in edges["ringattn._pallas"]  # the walk sees the modules
 
 
+MAX_MODULE_LINES = 450
+# Modules still over MAX_MODULE_LINES, with their line counts when listed (issue 30): the debt,
+# in sight. A listed module may shrink but not grow; split it and take it off this list.
+OVERSIZED_MODULES = {
+    "ringattn/_ring.py": 734,
+    "ringattn/_pallas_tpu.py": 452,
+}
+
+
+def test_no_module_over_450_lines_except_the_listed_debt():
+    """Every module of ``ringattn``, ``paged`` and ``offload`` has at most 450 lines (split by
+    concern into a new module rather than growing one), except :data:`OVERSIZED_MODULES`,
+    which may not grow past their listed counts and leave the list once under the limit."""
+    counts = {
+        p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
+        for package in PACKAGES
+        for p in sorted((ROOT / package).rglob("*.py"))
+    }
+    assert len(counts) > 30  # the walk sees the modules
+    over = {path: n for path, n in counts.items() if n > MAX_MODULE_LINES}
+    unlisted = {path: n for path, n in over.items() if path not in OVERSIZED_MODULES}
+    assert not unlisted, (
+        f"modules over {MAX_MODULE_LINES} lines: {unlisted}; split them by concern into new modules"
+    )
+    grown = {
+        path: (n, OVERSIZED_MODULES[path])
+        for path, n in over.items()
+        if n > OVERSIZED_MODULES[path]
+    }
+    assert not grown, f"listed oversized modules grew (lines now, lines listed): {grown}"
+    stale = sorted(set(OVERSIZED_MODULES) - set(over))
+    assert not stale, (
+        f"{stale} no longer exceed {MAX_MODULE_LINES} lines (or are gone): take them off "
+        "OVERSIZED_MODULES"
+    )
+
+
 def test_offload_subpackages_are_public_and_not_imported_by_the_core():
     subpackages = sorted(p.parent for p in (ROOT / "offload").glob("*/__init__.py"))
     assert [p.name for p in subpackages] == ["monitoring", "planning"]

@@ -22,12 +22,12 @@ C     tokens per page (``page_size``)
 """
 
 from offload.monitoring._metric_families import METRIC_FAMILIES
+from offload.monitoring._monitor import Monitor
 from offload.monitoring._monitoring import (
     Alert,
     MetricsConfig,
     MetricsReport,
     MetricsSnapshot,
-    Monitor,
     compute_metrics,
 )
 from offload.monitoring._prometheus import (

@@ -21,27 +21,14 @@ L     layers
 ====  ==========================================
 """
 
+from offload.planning._article import ARTICLE, ARTICLE_RULES, ARTICLE_SECTIONS, MEASURED
 from offload.planning._cost_model import CostEstimate
-from offload.planning._planner import (
-    ARTICLE,
-    ARTICLE_RULES,
-    ARTICLE_SECTIONS,
-    MEASURED,
-    TIE_THRESHOLD,
-    plan,
-)
-from offload.planning._planner_types import (
-    KV_FORMATS,
-    Decision,
-    Hardware,
-    LengthDistribution,
-    ModelShape,
-    Plan,
-    PlanRow,
-    Reason,
-    Tiers,
-    Workload,
-)
+from offload.planning._hardware import Hardware
+from offload.planning._model_shape import KV_FORMATS, ModelShape
+from offload.planning._planner import plan
+from offload.planning._planner_types import Decision, Plan, PlanRow, Reason, Tiers
+from offload.planning._strategy import TIE_THRESHOLD
+from offload.planning._workload import LengthDistribution, Workload
 
 __all__: list[str] = [
     "ARTICLE",

@@ -21,7 +21,8 @@ from offload import (
     wait,
 )
 from offload._host_pool import as_named
-from offload._page_copy import _copy_pages_fn, bucket, prefetch_fn
+from offload._page_copy import _copy_pages_fn, bucket
+from offload._prefetch_kernels import prefetch_fn
 from ringattn import attention_reference
 from tests._util import assert_close, make_test_mesh
 

@@ -31,8 +31,8 @@ from offload.planning import (
     plan,
 )
 from offload.planning import _cost_model as cost_model
-from offload.planning._planner import _choose_strategy
-from offload.planning._planner_types import RATE_FIELDS
+from offload.planning._hardware import RATE_FIELDS
+from offload.planning._strategy import _choose_strategy
 
 RESULTS = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 GiB = 2**30
