@@ -31,7 +31,7 @@ def load(path: pathlib.Path) -> list[dict]:
 
 
 def _is_base(r: dict) -> bool:
-    return r["mode"] == "agnostic" and r["residency"] == "drop" and r["page_size"] == 16 and r["kv_format"] == "float32"  # fmt: skip
+    return r["press"] != "retrieval" and r["mode"] == "agnostic" and r["residency"] == "drop" and r["page_size"] == 16 and r["kv_format"] == "float32"  # fmt: skip
 
 
 def _cell(r: dict) -> str:
@@ -57,7 +57,8 @@ def tables(rows: list[dict]) -> list[str]:
             cells = [_cell(by[(press, q)]) if (press, q) in by else "-" for q in ratios]
             lines.append(f"| {press} | " + " | ".join(cells) + " |")
         lines.append("")
-    other = [r for r in rows if not _is_base(r)]
+    lines += retrieval_tables(rows)
+    other = [r for r in rows if not _is_base(r) and r["press"] != "retrieval"]
     if other:
         lines += ["### Formats, page sizes, modes and residency", "",
                   "| task | press | ratio | mode | residency | page size | KV format | score | kept | device bytes / full | moved MiB | prefill s | answer s/token |",
@@ -70,6 +71,37 @@ def tables(rows: list[dict]) -> list[str]:
                 f"{r['prefill_s']:.1f} | {r['answer_s_per_token']:.3f} |"
             )  # fmt: skip
         lines.append("")
+    return lines
+
+
+STATIC = ("snapkv", "h2o", "streaming")  # beside retrieval, at the same fraction kept
+
+
+def retrieval_tables(rows: list[dict]) -> list[str]:
+    """Query-aware retrieval (every decoded token reads the pages its query selects) per task:
+    score against the measured fraction of the KV read per step, beside the static presses
+    that keep that fraction of the pages on the device for good."""
+    ret = [r for r in rows if r["press"] == "retrieval"]
+    if not ret:
+        return []
+    lines = ["### Query-aware retrieval against static retention (same KV fraction)", "",
+             "`--press retrieval --ratio R`: each decoded token reads, in every layer and kv head, "
+             "the pages whose key bounds give its query the highest logit upper bound (Quest's "
+             "rule); 'read' is the measured fraction of the context's K/V pages read per step "
+             "(sink and recent pages included), 'bounds' the per-page key min/max every step "
+             "also reads. The static presses keep `1 - ratio` of the pages for good.", "",
+             "| task | full KV | fraction of KV read per step | retrieval | read | bounds | dense layers | " + " | ".join(STATIC) + " |",
+             "|---|---|---:|---|---:|---:|---:|" + "---|" * len(STATIC)]  # fmt: skip
+    base = {(r["task"], r["press"], r["ratio"]): r for r in rows if _is_base(r)}
+    for r in sorted(ret, key=lambda r: (r["task"], r["ratio"])):
+        full = base.get((r["task"], "none", 0.0))
+        static = [_cell(base[(r["task"], p, r["ratio"])]) if (r["task"], p, r["ratio"]) in base else "-" for p in STATIC]  # fmt: skip
+        lines.append(
+            f"| {r['task']} | {_cell(full) if full else '-'} | {1 - r['ratio']:.2f} | {_cell(r)} | "
+            f"{r['read_fraction']:.3f} | {r['bounds_fraction']:.3f} | {r['dense_layers']} | "
+            + " | ".join(static) + " |"
+        )  # fmt: skip
+    lines.append("")
     return lines
 
 
@@ -89,7 +121,9 @@ def figure(rows: list[dict], path: pathlib.Path, ratio: float = 0.75) -> None:
     for r in base:
         if r["press"] != "none" and r["ratio"] in common:
             curves[r["press"]][r["ratio"]].append(r["score"])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ret = [r for r in rows if r["press"] == "retrieval"]
+    fig, axes = plt.subplots(1, 3 if ret else 2, figsize=(18 if ret else 12, 4.5))
+    a, b = axes[0], axes[1]
     if full:
         a.axhline(100 * np.mean(list(full.values())), color="k", ls="--", label=f"full KV ({len(full)} tasks)")  # fmt: skip
     for press, pts in sorted(curves.items()):
@@ -115,6 +149,20 @@ def figure(rows: list[dict], path: pathlib.Path, ratio: float = 0.75) -> None:
                 b.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color="w", fontsize=8)
     b.set_title(f"score (%) with {ratio:g} of the KV removed")
     fig.colorbar(im, ax=b, fraction=0.03)
+    if ret:  # score against the fraction of the KV read per step, per needle task
+        c = axes[2]
+        for t in sorted({r["task"] for r in ret}):
+            pts = sorted((r["read_fraction"], r["score"]) for r in ret if r["task"] == t)
+            c.plot([100 * x for x, _ in pts], [100 * y for _, y in pts], marker="o", label=f"retrieval, {t}")  # fmt: skip
+            for press, marker in zip(STATIC, "sv^"):
+                st = sorted((1 - r["ratio"], r["score"]) for r in base if r["task"] == t and r["press"] == press)  # fmt: skip
+                if st:
+                    c.plot([100 * x for x, _ in st], [100 * y for _, y in st], marker=marker, ls=":", alpha=0.7, label=f"{press} (kept), {t}")  # fmt: skip
+        c.set_xscale("log")
+        c.set_xlabel("% of the context's KV read per decode step (static: kept)")
+        c.set_ylabel("score (%)")
+        c.set_title("query-aware retrieval vs static retention")
+        c.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -555,7 +555,7 @@ def _answer_retrieval(graphdef, state, cache, forced, n_forced, start, max_new: 
 
 
 def answer_retrieval(model: Llama, pre: Prefilled, forced: Sequence[int], max_new: int, *,
-                     ratio: float, sink_pages: int = 1, recent_pages: int = 1,
+                     ratio: float, sink_pages: int = 1, recent_pages: int | None = None,
                      dense_layers: int = 2, per_kv_head: bool = True,
                      bucket: int = 64) -> Answer:  # fmt: skip
     """Continues ``pre`` with ``forced`` and ``max_new`` greedy tokens, Quest-style: all
@@ -581,6 +581,12 @@ def answer_retrieval(model: Llama, pre: Prefilled, forced: Sequence[int], max_ne
     step reads for its selection are :attr:`Answer.bounds_fraction` (``1 / C`` of float32
     KV). ``ratio = 0`` selects every page: the tokens are :func:`answer`'s with no press.
     kivi2 pages read their full-precision window: ``recent_pages`` is raised to it.
+
+    ``recent_pages=None`` (default) always reads the pages of the tokens after the context
+    (``forced`` and the answer: ``ceil((len(forced) + max_new) / C) + 1`` trailing pages), as
+    the static presses of :func:`answer` always keep them; the budget is then those pages and
+    the sinks plus ``ceil((1 - ratio) * n_context_pages)`` selected context pages, so a ratio
+    means the same fraction of the context for retrieval as for a press.
     """
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"answer_retrieval: ratio: expected a fraction not read in [0, 1), got {ratio}")  # fmt: skip
@@ -592,12 +598,19 @@ def answer_retrieval(model: Llama, pre: Prefilled, forced: Sequence[int], max_ne
     M = cache.page_table.shape[1]
     if n + len(forced) + max_new > M * C:
         raise ValueError(f"answer_retrieval: forced + max_new: {len(forced)} + {max_new} tokens do not fit the capacity {M * C} after {n}")  # fmt: skip
+    # The live pages of the last decode step: ratio 0 then reads every page at every step.
+    live = -(-(n + len(forced) + max_new - 1) // C)
+    if recent_pages is None:
+        recent_pages = -(-(len(forced) + max_new) // C) + 1
+        context_pages = max(0, live - recent_pages - sink_pages)
+        budget = sink_pages + recent_pages + int(np.ceil((1.0 - ratio) * context_pages - 1e-9))
+    else:
+        budget = max(sink_pages + recent_pages, int(np.ceil((1.0 - ratio) * live - 1e-9)))
     fmt = cache.kv_format
     if fmt is not None and fmt.kind == "kivi2":
         recent_pages = max(recent_pages, fmt.residual_pages(C))
-    # The live pages of the last decode step: ratio 0 then reads every page at every step.
-    live = -(-(n + len(forced) + max_new - 1) // C)
-    budget = max(sink_pages + recent_pages, int(np.ceil((1.0 - ratio) * live - 1e-9)))
+        budget = max(budget, sink_pages + recent_pages)
+    budget = min(budget, live)
     T = bucket * -(-len(forced) // bucket)
     padded = np.zeros((1, T), np.int32)
     padded[0, : len(forced)] = forced

@@ -407,17 +407,24 @@ def test_press_retrieval_at_ratio_0_is_exact_and_reads_the_budget_at_a_ratio(pre
     assert full.bounds_fraction == pytest.approx(1 / 8)  # 2 H float32 per page of 2 C H
     # 45 + 7 + 4 tokens: 7 live pages at every step; ratio 0.7 reads ceil(0.3 * 7) = 3.
     part = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=0,
-                                  per_kv_head=False, bucket=8)  # fmt: skip
+                                  per_kv_head=False, bucket=8, recent_pages=1)  # fmt: skip
     assert part.kept_pages == 3 and part.read_fraction == pytest.approx(3 / 7)
+    # By default the pages after the context (question + answer: ceil(12 / 8) + 1 = 3) are
+    # always read, as a press keeps them, and the ratio applies to the 7 - 3 - 1 = 3 context
+    # pages beside the sink: 1 + 3 + ceil(0.3 * 3) = 5.
+    ctx = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=0,
+                                 per_kv_head=False, bucket=8)  # fmt: skip
+    assert ctx.kept_pages == 5 and ctx.read_fraction == pytest.approx(5 / 7)
     assert part.tokens.shape == (5,)
     # Quest's dense first layers read every page, and count: layer 0 all 7, layer 1 three.
-    first = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=1, bucket=8)
+    first = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=1, bucket=8,
+                                   recent_pages=1)  # fmt: skip
     assert first.read_fraction == pytest.approx((7 + 3) / 14)
     # One selection per kv head (the default): exact at ratio 0, the same bytes at a ratio.
     heads = press.answer_retrieval(model, pre, question, 5, ratio=0.0, per_kv_head=True, bucket=8)
     np.testing.assert_array_equal(heads.tokens, want)
     heads = press.answer_retrieval(model, pre, question, 5, ratio=0.7, dense_layers=0,
-                                   per_kv_head=True, bucket=8)  # fmt: skip
+                                   per_kv_head=True, bucket=8, recent_pages=1)  # fmt: skip
     assert heads.read_fraction == pytest.approx(3 / 7)
     with pytest.raises(ValueError, match=r"ratio: expected a fraction not read in \[0, 1\)"):
         press.answer_retrieval(model, pre, question, 5, ratio=1.0)
