@@ -42,6 +42,8 @@ def _cell(r: dict) -> str:
 def tables(rows: list[dict]) -> list[str]:
     lines = []
     base = [r for r in rows if _is_base(r)]
+    if not base:
+        return lines + retrieval_tables(rows)
     for task in sorted({r["task"] for r in base}):
         sub = [r for r in base if r["task"] == task]
         length = sub[0]["length"]
@@ -57,6 +59,7 @@ def tables(rows: list[dict]) -> list[str]:
             cells = [_cell(by[(press, q)]) if (press, q) in by else "-" for q in ratios]
             lines.append(f"| {press} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += cost_table(base)
     lines += retrieval_tables(rows)
     other = [r for r in rows if not _is_base(r) and r["press"] != "retrieval"]
     if other:
@@ -71,6 +74,35 @@ def tables(rows: list[dict]) -> list[str]:
                 f"{r['prefill_s']:.1f} | {r['answer_s_per_token']:.3f} |"
             )  # fmt: skip
         lines.append("")
+    return lines
+
+
+def cost_table(base: list[dict]) -> list[str]:
+    """What each press costs and frees, from the arrays: the device pools' bytes after the
+    press against the full pools', the time to first token (the prefill) and per output token
+    (the answer, question included), averaged over the tasks of the run."""
+    if not base:
+        return []
+    by = collections.defaultdict(list)
+    for r in base:
+        by[(r["press"], r["ratio"])].append(r)
+    lines = ["### Device memory and time per press (mean over the tasks)", "",
+             "Device bytes are the K/V pools the answer read (kept pages, pages still to be "
+             "written and padding to a few pool sizes), measured from the arrays; PyramidKV and "
+             "Ada-KV pad every (layer, head) to the largest selection, so they can exceed the "
+             "full pool. The time to first token is the prefill; the time per output token "
+             "includes the question's tokens and one compile per pool size.", "",
+             "| press | ratio | pages kept | device bytes / full | MiB on device | prefill s | answer s/token |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for (press, ratio), rs in sorted(by.items()):
+        mean = lambda k, rs=rs: float(np.mean([r[k] for r in rs]))
+        frac = float(np.mean([r["device_bytes"] / r["full_bytes"] for r in rs]))
+        lines.append(
+            f"| {press} | {ratio:g} | {mean('kept_fraction'):.2f} | {frac:.2f} | "
+            f"{mean('device_bytes') / 2**20:.0f} | {mean('prefill_s'):.1f} | "
+            f"{mean('answer_s_per_token'):.3f} |"
+        )  # fmt: skip
+    lines.append("")
     return lines
 
 
@@ -154,7 +186,7 @@ def figure(rows: list[dict], path: pathlib.Path, ratio: float = 0.75) -> None:
         for t in sorted({r["task"] for r in ret}):
             pts = sorted((r["read_fraction"], r["score"]) for r in ret if r["task"] == t)
             c.plot([100 * x for x, _ in pts], [100 * y for _, y in pts], marker="o", label=f"retrieval, {t}")  # fmt: skip
-            for press, marker in zip(STATIC, "sv^"):
+            for press, marker in zip(STATIC, "sv^", strict=False):
                 st = sorted((1 - r["ratio"], r["score"]) for r in base if r["task"] == t and r["press"] == press)  # fmt: skip
                 if st:
                     c.plot([100 * x for x, _ in st], [100 * y for _, y in st], marker=marker, ls=":", alpha=0.7, label=f"{press} (kept), {t}")  # fmt: skip
