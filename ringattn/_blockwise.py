@@ -28,11 +28,11 @@ from ringattn._bias import biased_attention, check_logit_term
 from ringattn._blocks import window_table
 from ringattn._checks import FloatLike, IntLike, check_int, describe, fail, fold_traced_scale
 from ringattn._heads_major import attention_backward, attention_delta, attention_forward
+from ringattn._mosaic_blocks import mosaic_blocks
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
 from ringattn._pallas import pallas_attention
 from ringattn._pallas_common import PallasConfig
-from ringattn._pallas_tpu import mosaic_blocks
 from ringattn._pallas_triton import pallas_blocks
 from ringattn._varying import cast_varying, varying_axes
 

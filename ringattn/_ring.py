@@ -33,14 +33,16 @@ other documents), folding the hop's keys into one running float32 online-softmax
   Pallas's TPU interpret mode (``pltpu.InterpretParams``): the plain ``interpret=True`` HLO
   interpreter fails the ``check_vma`` type check inside ``shard_map`` (JAX 0.10).
 
+This module holds the public entry (:func:`ring_attention_per_shard`, :func:`hop_bytes`) and
+the ring on validated inputs (:func:`ring_local`, used by :func:`ringattn.sharded_attention`).
+The plan, hop count and transport are in :mod:`ringattn._ring_hops`, the XLA forward and
+backward ``custom_vjp`` in :mod:`ringattn._ring_xla`, the Pallas hops in
+:mod:`ringattn._ring_pallas`.
+
 References:
   Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
   Context", 2023; Brandon et al., "Striped Attention", 2023; Dao, "FlashAttention-2", 2023.
 """
-
-import dataclasses
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -54,325 +56,20 @@ from ringattn._blockwise import (
     check_block_sizes,
     empty_attention,
     head_windows,
-    make_pallas_config,
     resolve_impl,
 )
 from ringattn._checks import FloatLike, IntLike, check_int, fail, refuse_bias
 from ringattn._formats import KVFormat
-from ringattn._heads_major import (
-    attention_delta,
-    kv_from_heads_major,
-    kv_to_heads_major,
-    make_kernel_config,
-    pad_ids,
-    q_from_heads_major,
-    q_to_groups,
-    q_to_heads_major,
-)
-from ringattn._hop_format import check_hop_format, dequantize_rows, hop_row_bytes, quantize_rows
-from ringattn._kernels_backward import (
-    dq_from_blocks,
-    query_blocks,
-    update_backward_blocks,
-)
-from ringattn._kernels_forward import forward_q_rows, init_forward_state, update_forward_blocks
+from ringattn._hop_format import check_hop_format, hop_row_bytes
 from ringattn._layout import LAYOUTS, check_layout_positions, shard_positions
-from ringattn._online_softmax import (
-    AttentionOutput,
-    apply_sinks,
-    finalize_online_softmax,
-    merge_attention,
-)
+from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, prepare
-from ringattn._pallas import kernel_calls
-from ringattn._pallas_common import PallasConfig
+from ringattn._ring_hops import _hops, _layout_block_sizes, _RingPlan
+from ringattn._ring_pallas import shard_pallas_config
+from ringattn._ring_xla import _ring
 from ringattn._varying import cast_varying, varying_axes
 
 __all__ = ["hop_bytes", "ring_attention_per_shard"]
-
-# ---- the ring ----
-
-
-@dataclasses.dataclass(frozen=True)
-class _RingPlan:
-    """Everything static about one ring call (hashable: a ``custom_vjp`` nondiff argument)."""
-
-    seq_axis: str | tuple
-    num_shards: int
-    hops: int  # key blocks received from other devices: n - 1, or fewer with a window
-    mask: MaskSpec
-    block_sizes: BlockSizes
-    hop_format: KVFormat | None = None  # None: K/V travel in their dtype; int8 / fp8
-    pallas: PallasConfig | None = None  # None: the XLA kernels; else the Pallas kernels'
-
-
-def _shift(x, plan: _RingPlan, offset: int):
-    """Sends ``x`` from device ``i`` to device ``(i + offset) % n`` along the ring axis."""
-    n = plan.num_shards
-    return lax.ppermute(x, plan.seq_axis, [(i, (i + offset) % n) for i in range(n)])
-
-
-def _pack(arrays):
-    """Flattens arrays (``None`` allowed) into one buffer: one collective per hop.
-
-    The buffer holds unsigned integers as wide as the narrowest array's elements (``uint32``
-    for float32 K/V, ``uint8`` for int8 hop data); each array is bitcast to it, which is free
-    at the same width (a wider one becomes ``[..., ratio]`` of it), and comes back the same
-    way. (A ``uint8`` buffer made XLA:CPU rebuild every float32 from four bytes, with shifts
-    and a reduction, on each hop. An integer buffer, not a float one: XLA:CPU's bfloat16
-    concatenate rewrites NaN payloads, which would corrupt integer ids carried in it.)
-    """
-    present = [x for x in arrays if x is not None]
-    width = min(np.dtype(x.dtype).itemsize for x in present)
-    unit = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[width]
-    parts, spec = [], []
-    for x in arrays:
-        spec.append(None if x is None else (x.shape, x.dtype))
-        if x is not None:
-            parts.append(lax.bitcast_convert_type(x, unit).reshape(-1))
-    return jnp.concatenate(parts), tuple(spec)
-
-
-def _unpack(buffer, spec):
-    out, offset = [], 0
-    unit = np.dtype(buffer.dtype).itemsize
-    for item in spec:
-        if item is None:
-            out.append(None)
-            continue
-        shape, dtype = item
-        ratio = np.dtype(dtype).itemsize // unit
-        size = int(np.prod(shape)) * ratio
-        chunk = lax.slice(buffer, (offset,), (offset + size,))
-        chunk = chunk.reshape(*shape, ratio) if ratio > 1 else chunk.reshape(shape)
-        out.append(lax.bitcast_convert_type(chunk, dtype))
-        offset += size
-    return tuple(out)
-
-
-def _travelling_block(k, v, kv_pos, kv_seg, Sp: int, plan: _RingPlan):
-    """The block as it travels: heads-major K/V (quantized with ``plan.hop_format``) and ids.
-
-    ``(kh, vh, kv_pos, kv_seg)``, or ``(k data, k scale, v data, v scale, kv_pos, kv_seg)``
-    with ``data [B, K, Sp, H]`` int8 / float8 and ``scale [B, K, Sp]`` float32. Padding rows
-    are zero (scale 0). Quantized once per device, the local block included.
-    """
-    kh, vh = kv_to_heads_major(k, Sp), kv_to_heads_major(v, Sp)
-    ids = (pad_ids(kv_pos, Sp), pad_ids(kv_seg, Sp))
-    if plan.hop_format is None:
-        return (kh, vh, *ids)
-    return (*quantize_rows(kh, plan.hop_format), *quantize_rows(vh, plan.hop_format), *ids)
-
-
-def _arrived_block(block, plan: _RingPlan):
-    """``(kh, vh, kv_pos, kv_seg)`` for the kernels: quantized K/V dequantized to float32."""
-    if plan.hop_format is None:
-        return block
-    k_data, k_scale, v_data, v_scale, kp, ks = block
-    fmt = plan.hop_format
-    return dequantize_rows(k_data, k_scale, fmt), dequantize_rows(v_data, v_scale, fmt), kp, ks
-
-
-def _run_hops(plan: _RingPlan, block, carry, compute):
-    """Runs ``compute`` on the local block and ``plan.hops`` received ones.
-
-    ``compute(block, carry, arriving) -> (carry, leaving)``, where ``block`` is
-    ``(kh, vh, kv_pos, kv_seg)``; ``leaving`` (or None) is sent to the next device together
-    with the block and comes back as the next hop's ``arriving`` (None at the local hop).
-    Hop 0 and the last hop are peeled; hops ``1 .. hops - 1`` run in one ``fori_loop`` whose
-    body issues the next transfer before its compute, so only the current and the incoming
-    block (and ``leaving``) are live, whatever the ring size. Returns
-    ``(carry, leaving of the last hop)``.
-    """
-    if not plan.hops:
-        return compute(block, carry, None)
-    buffer, spec = _pack(block)
-    # Issue the first transfer before the local hop's compute (double buffering).
-    incoming = _shift(buffer, plan, 1)
-    carry, leaving = compute(block, carry, None)
-    arriving = None if leaving is None else _shift(leaving, plan, 1)
-
-    def body(_, loop_carry):
-        buffer, carry, arriving = loop_carry
-        incoming = _shift(buffer, plan, 1)
-        carry, leaving = compute(_unpack(buffer, spec), carry, arriving)
-        arriving = None if leaving is None else _shift(leaving, plan, 1)
-        return incoming, carry, arriving
-
-    if plan.hops > 1:
-        incoming, carry, arriving = lax.fori_loop(1, plan.hops, body, (incoming, carry, arriving))
-    return compute(_unpack(incoming, spec), carry, arriving)
-
-
-def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan: _RingPlan):
-    if plan.pallas is not None:
-        return _ring_forward_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan)
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
-    cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.forward)
-    qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
-    block = _travelling_block(k, v, kv_pos, kv_seg, Sp, plan)
-    q_rows = forward_q_rows(qg, cfg.block_q)  # block-major once, for every hop
-
-    def compute(block, state, arriving):
-        kh, vh, kp, ks = _arrived_block(block, plan)
-        state = update_forward_blocks(state, q_rows, kh, vh, qp, kp, qs, ks, windows, cfg)
-        return state, None
-
-    # Every hop folds into one float32 online-softmax state: no per-hop (out, lse) to merge.
-    state = cast_varying(init_forward_state(qg), varying_axes(qg, *block))
-    state, _ = _run_hops(plan, block, state, compute)
-    out, lse = finalize_online_softmax(state)
-    return q_from_heads_major(out, T).astype(q.dtype), q_from_heads_major(lse, T)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan):
-    return _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan)
-
-
-def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan):
-    out, lse = _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse)
-
-
-def _ring_bwd(plan: _RingPlan, residuals, cotangents):
-    if plan.pallas is not None:
-        return _ring_bwd_pallas(plan, residuals, cotangents)
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse = residuals
-    dout, dlse = cotangents
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
-    cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.backward)
-    bq = cfg.block_q  # clamped to T
-    qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
-    lse_h = q_to_heads_major(lse, K, Tp)  # [B, K, G, Tp]
-    dout_g = q_to_groups(dout, K, Tp)  # [B, Tp, K, G, H]
-    delta_h = q_to_heads_major(attention_delta(out, dout, dlse), K, Tp)
-    # The same quantized K/V travel again; dK/dV accumulators travel in float32. Gradients are
-    # those of attention over the dequantized K/V (straight-through for k, v).
-    block = _travelling_block(k, v, kv_pos, kv_seg, Sp, plan)
-    axes = varying_axes(qg, lse_h, dout_g, delta_h, *block)
-    # The query side and dq (transposed) stay block-major over every hop, laid out once.
-    qb = query_blocks(qg, lse_h, dout_g, delta_h, bq)
-
-    def compute(block, dq_t, arriving):
-        kh, vh, kp, ks = _arrived_block(block, plan)
-        # dK/dV of the block held at this hop: [B, K, Sp, 2H] float32, travelling with it.
-        dkv = cast_varying(jnp.zeros((B, K, Sp, 2 * H), jnp.float32), axes)
-        dkv = dkv if arriving is None else arriving
-        return update_backward_blocks(dq_t, dkv, qb, kh, vh, qp, kp, qs, ks, windows, cfg)
-
-    dq_t = jnp.zeros((Tp // bq, B, K, H, N // K * bq), jnp.float32)  # dq^T, block-major
-    dq_t, dkv = _run_hops(plan, block, cast_varying(dq_t, axes), compute)
-    dq = dq_from_blocks(dq_t, N // K)
-    if plan.hops:
-        dkv = _shift(dkv, plan, -plan.hops)  # block (i - hops)'s gradients go home
-    dk = kv_from_heads_major(dkv[..., :H], S)
-    dv = kv_from_heads_major(dkv[..., H:], S)
-    dq = q_from_heads_major(dq, T)
-    ints = (None,) * 5
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
-
-# ---- the ring with Pallas kernels per hop ----
-
-
-def _ring_forward_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, plan: _RingPlan):
-    """The forward ring with the Pallas kernel per hop: ``(out in q.dtype, lse float32)``.
-
-    ``table``: the ``[B, K, G]`` per-head window table or None. The block travels as
-    ``(k, v, kv_pos, kv_seg)`` in the canonical layout (the kernel pads it itself); each
-    hop's ``(out, lse)`` (``out`` in ``q.dtype``) is merged into a float32 running result.
-    """
-    B, T, N, H = q.shape
-    block = (k, v, kv_pos, kv_seg)
-
-    def compute(block, running: AttentionOutput, arriving):
-        kb, vb, kp, ks = block
-        out, lse = kernel_calls(plan.pallas)[0](q, kb, vb, q_pos, kp, q_seg, ks, table, plan.pallas)
-        return merge_attention(running.out, running.lse, out, lse), None
-
-    empty = AttentionOutput(
-        jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
-    )
-    running = cast_varying(empty, varying_axes(q, q_pos, q_seg, table, *block))
-    (out, lse), _ = _run_hops(plan, block, running, compute)
-    return out.astype(q.dtype), lse
-
-
-def _ring_bwd_pallas(plan: _RingPlan, residuals, cotangents):
-    """FlashAttention-2's ring backward with the Pallas ``dq`` and ``dk, dv`` kernels per hop.
-
-    Every hop's probabilities are ``exp(s - lse)`` with the GLOBAL ``lse``, and
-    ``delta = rowsum(dout * out) - dlse`` of the global output, so each hop's gradients are
-    its exact share. The block's float32 ``concat([dk, dv], -1)`` ``[B, S, K, 2H]`` travels
-    with it and a last shift sends it home, as in the XLA ring.
-    """
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, out, lse = residuals
-    dout, dlse = cotangents
-    B, T, N, H = q.shape
-    delta = attention_delta(out, dout, dlse)
-    block = (k, v, kv_pos, kv_seg)
-    axes = varying_axes(q, q_pos, q_seg, table, lse, dout, delta, *block)
-
-    def compute(block, dq, arriving):
-        kb, vb, kp, ks = block
-        dq_hop, dk, dv = kernel_calls(plan.pallas)[1](
-            q, kb, vb, q_pos, kp, q_seg, ks, table, lse, dout, delta, plan.pallas
-        )
-        dkv = jnp.concatenate([dk, dv], axis=-1)  # [B, S, K, 2H] float32
-        return dq + dq_hop, dkv if arriving is None else arriving + dkv
-
-    dq = cast_varying(jnp.zeros((B, T, N, H), jnp.float32), axes)
-    dq, dkv = _run_hops(plan, block, dq, compute)
-    if plan.hops:
-        dkv = _shift(dkv, plan, -plan.hops)  # block (i - hops)'s gradients go home
-    dk, dv = dkv[..., :H], dkv[..., H:]
-    ints = (None,) * 5
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
-
-
-def shard_pallas_config(
-    mask: MaskSpec, H: int, G: int, T: int, S: int, block_sizes, layout: str
-) -> PallasConfig:
-    """The :class:`ringattn._pallas_common.PallasConfig` of Pallas kernels run inside ``shard_map``.
-
-    ``block_sizes``: the caller's :class:`BlockSizes` or None (the Pallas defaults, see
-    :func:`ringattn._pallas_triton.pallas_blocks`). With ``"zigzag"`` the blocks are clamped to half
-    the local lengths (compiled: rounded down to a power of two for Triton, kept as given
-    for Mosaic unless the half is whole tiles), so causal chunk pairs can be skipped. The
-    target follows the backend (:func:`ringattn._blockwise.pallas_target`: Mosaic on TPU,
-    Triton elsewhere). On CPU the kernels run in Pallas's TPU interpret mode: the
-    ``interpret=True`` HLO interpreter fails the ``check_vma`` type check on its grid loop.
-    """
-    cfg = make_pallas_config(mask, block_sizes, G, T, S, H, jax.default_backend())
-    interpret = cfg.interpret
-    if layout == "zigzag":
-
-        def half(b: int, L: int, unit: int) -> int:
-            h = min(b, L // 2)
-            if interpret:
-                return h
-            if cfg.target == "triton":
-                return 1 << (h.bit_length() - 1)  # Triton: a power of two
-            return h if h == b or h % unit == 0 else b  # Mosaic: whole tiles, else as given
-
-        rows, lanes = 8 // math.gcd(G, 8), 128  # Mosaic: rows (block_q * G) by 8, keys by 128
-        cfg = dataclasses.replace(
-            cfg,
-            block_q=half(cfg.block_q, T, rows),
-            block_q_bwd=half(cfg.block_q_bwd, T, rows),
-            block_kv=half(cfg.block_kv, S, lanes),
-            block_kv_bwd=half(cfg.block_kv_bwd, S, lanes),
-        )
-    if interpret:
-        from jax.experimental.pallas import tpu as pltpu
-
-        cfg = dataclasses.replace(cfg, interpret=pltpu.InterpretParams())
-    return cfg
 
 
 def _axis_size(fn: str, seq_axis) -> int:
@@ -385,40 +82,6 @@ def _axis_size(fn: str, seq_axis) -> int:
             f"a mesh axis bound by jax.shard_map (call {fn} per shard inside shard_map)",
             repr(seq_axis),
         ) from err
-
-
-def _window_hops(n: int, T: int, S: int, mask: MaskSpec, layout: str, default_pos: bool) -> int:
-    """Hops that can reach a visible key.
-
-    With causal masking, a window ``w`` (the widest over heads) and contiguous shards of
-    ``T`` tokens at their default positions, hop ``t``'s newest key ``(i - t + 1) T - 1`` is
-    visible to query ``i T`` iff ``(t - 1) T + 1 < w``. Later hops hold blocks outside every
-    window or (after wrapping around) in the causal future.
-    """
-    w = mask.widest_window
-    if mask.causal and w is not None and layout == "contiguous" and default_pos and T == S:
-        return min(n - 1, (w - 2) // T + 1)
-    return n - 1
-
-
-def _hops(n, T, S, mask, layout, default_pos, bound) -> int:
-    if n == 1:
-        return 0
-    derived = _window_hops(n, T, S, mask, layout, default_pos)
-    return derived if bound is None else min(derived, bound)
-
-
-def _layout_block_sizes(block_sizes: BlockSizes, layout: str, T: int, S: int) -> BlockSizes:
-    """With ``"zigzag"``, blocks no larger than one chunk, so the kernel can skip chunk pairs."""
-    if layout != "zigzag":
-        return block_sizes
-    bq_bwd, bk_bwd = block_sizes.backward
-    return BlockSizes(
-        block_q=min(block_sizes.block_q, T // 2),
-        block_kv=min(block_sizes.block_kv, S // 2),
-        block_q_bwd=min(bq_bwd, T // 2),
-        block_kv_bwd=min(bk_bwd, S // 2),
-    )
 
 
 def ring_attention_per_shard(

@@ -23,7 +23,8 @@ from ringattn._layout import from_layout, to_layout
 from ringattn._online_softmax import apply_sinks
 from ringattn._options import MaskSpec, arange_positions
 from ringattn._pallas import pallas_attention
-from ringattn._ring import ring_local, shard_pallas_config
+from ringattn._ring import ring_local
+from ringattn._ring_pallas import shard_pallas_config
 from ringattn._varying import cast_varying, varying_axes
 
 

@@ -17,7 +17,7 @@ from ringattn import (
     blockwise_attention,
 )
 from ringattn._batching import fold_vmap
-from ringattn._ring import _pack, _unpack
+from ringattn._ring_hops import _pack, _unpack
 
 
 def _kernel(blocks, x, y):

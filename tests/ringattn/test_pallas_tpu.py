@@ -27,8 +27,9 @@ from ringattn import (
 )
 from ringattn._blocks import window_table
 from ringattn._blockwise import make_pallas_config, resolve_impl
+from ringattn._mosaic_blocks import mosaic_blocks
 from ringattn._pallas import kernel_calls, pallas_attention
-from ringattn._pallas_tpu import backward_call, forward_call, mosaic_blocks
+from ringattn._pallas_tpu import backward_call, forward_call
 from tests._util import GRAD_TOLERANCES, TOLERANCES, assert_close, attention_inputs
 from tests.ringattn import test_pallas as triton_tests
 from tests.ringattn.test_pallas import BLOCKS, _check, _loss

@@ -32,7 +32,7 @@ from ringattn import (
 )
 from ringattn._blocks import Summaries
 from ringattn._heads_major import make_kernel_config
-from ringattn._ring import _layout_block_sizes
+from ringattn._ring_hops import _layout_block_sizes
 from tests._util import assert_close, count_executed, make_test_mesh
 
 LOCAL = 8  # tokens per shard; blocks of 4 give several blocks per shard and per zigzag chunk

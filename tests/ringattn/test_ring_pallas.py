@@ -561,7 +561,7 @@ def test_ring_kernels_lower_to_mosaic_for_tpu_inside_shard_map(monkeypatch):
     # needs a TPU and is not checked here.
     from jax import export
 
-    from ringattn._ring import shard_pallas_config
+    from ringattn._ring_pallas import shard_pallas_config
 
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     cfg = shard_pallas_config(MaskSpec(causal=True), 64, 2, 512, 512, None, "zigzag")
