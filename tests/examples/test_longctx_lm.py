@@ -514,3 +514,115 @@ def test_generation_from_kivi2_pages_equals_dense_over_the_kivi2_kv(policy, mode
             )
         for p, g in zip(prompts[::-1] if call else prompts, got, strict=True):
             np.testing.assert_array_equal(g, generate.generate_dense(model, p, 5, attend))
+
+
+def _retrieval_dense(budget, sink, decode_from, C):
+    """The retrieve oracle: dense attention (recomputed over the whole sequence) where each
+    query at a position ``t >= decode_from`` sees only the keys of the pages it selects:
+    pages ``0 .. sink - 1`` and its own page always, then the others by decreasing
+    ``max_n sum_h max(q_nh * min_h, q_nh * max_h)`` (min / max over the page's keys at
+    positions ``<= t``, of query head ``n``'s kv head), ties to the lower page, ``budget`` in
+    all. Written from the definition (Quest), sharing no code with ``paged``."""
+
+    def attend(q, k, v, positions):
+        _, S, N, H = q.shape
+        K = k.shape[2]
+        G = N // K
+        kk = jnp.repeat(k[0], G, axis=1)  # [S, N, H]: query head n reads kv head n // G
+        vv = jnp.repeat(v[0], G, axis=1)
+        pos = np.arange(S)
+        rows = []
+        for t in range(S):
+            allowed = jnp.asarray(pos <= t)
+            if t >= decode_from:
+                n_pages = t // C + 1
+                scores = []
+                for j in range(n_pages):
+                    keys = kk[j * C : min((j + 1) * C, t + 1)]  # [c, N, H]
+                    lo, hi = keys.min(0), keys.max(0)
+                    bound = jnp.maximum(q[0, t] * lo, q[0, t] * hi).sum(-1)  # [N]
+                    scores.append(bound.max())
+                forced = [j < sink or j == n_pages - 1 for j in range(n_pages)]
+                pri = jnp.stack([jnp.inf if f else s for f, s in zip(forced, scores, strict=True)])  # fmt: skip
+                order = jnp.argsort(-pri, stable=True)
+                chosen = jnp.zeros(n_pages, bool).at[order[:budget]].set(True)
+                page_of = jnp.asarray(np.minimum(pos // C, n_pages - 1))
+                allowed = allowed & chosen[page_of] & jnp.asarray(pos // C < n_pages)
+            logits = jnp.einsum("nh,snh->ns", q[0, t], kk) / np.sqrt(H)
+            logits = jnp.where(allowed[None], logits, -jnp.inf)
+            p = jax.nn.softmax(logits, axis=-1)
+            rows.append(jnp.einsum("ns,snh->nh", p, vv))
+        return jnp.stack(rows)[None]
+
+    return attend
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_retrieve_with_every_page_in_budget_equals_no_retention(per_kv_head):
+    """mode="retrieve" with a budget of every page: the same greedy tokens as no retention,
+    every page of every layer read at every step, nothing freed or moved."""
+    import offload
+
+    generate, model, server, prompts = _retention_setup()
+    want = server.generate(prompts, 5)
+    policy = offload.RetentionPolicy("streaming", 1.0, page_size=4, sink=1)
+    retention = generate.Retention(policy, mode="retrieve", per_kv_head=per_kv_head)
+    got = server.generate(prompts, 5, retention=retention)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    info = server.last_info
+    assert info.budget == 14  # ceil((49 + 5) / 4): the longest row's pages at its last step
+    L = TINY.num_layers
+    for b, p in enumerate(prompts):
+        steps = len(p) + np.arange(5)  # tokens attended at each step
+        np.testing.assert_array_equal(info.read_pages[b], L * -(-steps // 4))
+        np.testing.assert_array_equal(info.live_pages[b], info.read_pages[b])
+    assert (info.read_pages[2] == 0).all()  # the empty row
+    assert info.freed_pages == 0 and info.moved_bytes == 0
+    np.testing.assert_array_equal(info.kept_pages, info.prompt_pages)
+    H, K = TINY.head_dim, TINY.num_kv_heads
+    assert info.tier_bytes["bounds"] == 2 * 4 * L * K * server.num_pages * H
+
+
+def test_retrieve_with_a_small_budget_reads_what_each_query_selects():
+    """mode="retrieve" with 30% of the pages: each step of each layer reads the 5 pages its
+    own query selects; the greedy tokens equal a dense recompute that masks, per query,
+    everything outside the pages the Quest bound selects (an independent oracle), and the
+    pages read per step are the budget in every layer."""
+    import offload
+
+    generate, model, server, prompts = _retention_setup()
+    policy = offload.RetentionPolicy("streaming", 0.3, page_size=4, sink=1)
+    got = server.generate(prompts, 5, retention=generate.Retention(policy, mode="retrieve"))
+    info = server.last_info
+    assert info.budget == 5  # ceil(0.3 * 14)
+    L = TINY.num_layers
+    for b, p in enumerate(prompts):
+        want = generate.generate_dense(model, p, 5, _retrieval_dense(5, 1, len(p) - 1, 4))
+        np.testing.assert_array_equal(got[b], want)
+        np.testing.assert_array_equal(info.read_pages[b], [5 * L] * 5)
+        assert (info.read_pages[b] < info.live_pages[b]).all()
+    full = [generate.generate_dense(model, p, 5, attention.dense()) for p in prompts]
+    assert any((g != f).any() for g, f in zip(got, full, strict=True))  # the budget bites
+
+
+def test_retrieve_rejects_bad_combinations():
+    import offload
+    from examples.longctx_lm import generate
+
+    streaming = offload.RetentionPolicy("streaming", 0.3, page_size=4, sink=1)
+    with pytest.raises(ValueError, match="'streaming' or 'recency'"):
+        h2o = offload.RetentionPolicy("h2o", 0.3, page_size=4, sink=1, recent=1)
+        generate.Retention(h2o, mode="retrieve")
+    with pytest.raises(ValueError, match="needs a RetentionPolicy"):
+        generate.Retention(lambda view: None, mode="retrieve")
+    with pytest.raises(ValueError, match="page policy"):
+        generate.Retention(offload.RetentionPolicy("recency", 4, granularity="token"), mode="retrieve")  # fmt: skip
+    with pytest.raises(ValueError, match="frees no page"):
+        generate.Retention(streaming, mode="retrieve", scrub=True)
+    with pytest.raises(ValueError, match="per_kv_head"):
+        generate.Retention(streaming, mode="drop", per_kv_head=True)
+    _, _, server, prompts = _retention_setup()
+    wrong = offload.RetentionPolicy("streaming", 0.3, page_size=8, sink=1)
+    with pytest.raises(ValueError, match="page_size=4"):
+        server.generate(prompts, 2, retention=generate.Retention(wrong, mode="retrieve"))
