@@ -626,3 +626,33 @@ def test_retrieve_rejects_bad_combinations():
     wrong = offload.RetentionPolicy("streaming", 0.3, page_size=8, sink=1)
     with pytest.raises(ValueError, match="page_size=4"):
         server.generate(prompts, 2, retention=generate.Retention(wrong, mode="retrieve"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "residual"),
+    [("int8", 0), pytest.param("kivi2", 8, marks=pytest.mark.slow)],  # kivi2: ~40 s
+)
+def test_retrieve_on_quantized_pages_with_every_page_equals_no_retention(kind, residual):
+    """Quantized pages (int8; kivi2 with a 3-page full-precision window, which the selection
+    always reads): a budget of every page gives the tokens of no retention on the same
+    format, and a small budget is raised to hold the sink and the window."""
+    import offload
+    import paged
+    from examples.longctx_lm import generate
+
+    fmt = paged.KVFormat(kind, residual=residual) if kind == "kivi2" else paged.KVFormat(kind)
+    model = tiny_model(3)
+    server = generate.Server(model, num_pages=64, page_size=4, max_len=64, batch=2, chunk=8, kv_format=fmt)  # fmt: skip
+    batch = data.make_batch(data.TaskConfig("passkey", length=40), 2, seed=3)
+    prompts = [list(batch.tokens[0][:30]), list(batch.tokens[1][:23])]
+    want = server.generate(prompts, 4, salt="plain")
+    every = offload.RetentionPolicy("streaming", 1.0, page_size=4, sink=1)
+    got = server.generate(prompts, 4, retention=generate.Retention(every, mode="retrieve"), salt="every")  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert server.last_info.budget == 9  # ceil((29 + 4) / 4)
+    small = offload.RetentionPolicy("streaming", 0.1, page_size=4, sink=1)
+    server.generate(prompts, 4, retention=generate.Retention(small, mode="retrieve"), salt="small")  # fmt: skip
+    budget = 1 + (3 if kind == "kivi2" else 1)  # the sink + the window (or the open page)
+    assert server.last_info.budget == budget
+    np.testing.assert_array_equal(server.last_info.read_pages[0], [budget * TINY.num_layers] * 4)
