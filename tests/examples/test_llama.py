@@ -269,6 +269,34 @@ def test_query_aware_retrieval_from_the_llama_server_on_a_tiny_model():
     np.testing.assert_array_equal(info.live_pages[0], L * -(-(40 + np.arange(6)) // 8))
 
 
+def test_generate_command_retrieve_flag_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    """``--retrieve 1.0`` prints the tokens of a plain run and ``read_fraction`` 1.0; a
+    fraction reads less; a fraction outside (0, 1] is a usage error."""
+    from examples.llama import generate as cli
+
+    class Tok:  # ids are the characters' codes modulo the tiny vocabulary
+        def encode(self, text):
+            return type("E", (), {"ids": [ord(c) % TINY.vocab_size for c in text]})()
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    model = Llama(TINY, rngs=nnx.Rngs(5))
+    monkeypatch.setattr(cli, "load_model", lambda path: (model, Tok()))
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("the quick brown fox jumps over the lazy dog, twice")
+    args = ["--prompt-file", str(prompt), "--max-new-tokens", "4", "--page-size", "8", "--chunk", "16"]  # fmt: skip
+    plain = cli.main(args)
+    every = cli.main([*args, "--retrieve", "1.0"])
+    assert every["tokens"] == plain["tokens"] and every["read_fraction"] == 1.0
+    assert "read_fraction" not in plain
+    assert cli.main([*args, "--retrieve", "0.3"])["read_fraction"] < 0.5
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--retrieve", "0"])
+    assert "--retrieve: expected a fraction" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------
 # SmolLM2-135M against transformers' committed reference
 # ------------------------------------------------------------------------------------------
