@@ -12,7 +12,12 @@ Command line (the prompt file's text is tokenized as it is: no BOS, no chat temp
     python -m examples.llama.generate --prompt-file prompt.txt --max-new-tokens 32
 
 prints the continuation, then as its last line one JSON object: ``tokens`` (the new ids),
-``text``, ``prompt_tokens``, ``prefill_and_decode_s``.
+``text``, ``prompt_tokens``, ``prefill_and_decode_s``. ``--retrieve F`` decodes query-aware
+(``Retention(RetentionPolicy("streaming", F, page_size=..., sink=1), mode="retrieve")``):
+every page stays on the device and each step's attention in every layer reads only the
+``ceil(F * pages)`` pages its query selects (the first page and the page being written
+always); the JSON then adds ``read_fraction``, the pages read over the pages held, over every
+step and layer.
 """
 
 import argparse
@@ -23,6 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+import offload
 import paged
 from examples.llama.model import Llama
 from examples.longctx_lm.generate import Retention, Server
@@ -75,22 +81,34 @@ def main(argv=None) -> dict:
     parser.add_argument("--kv-format", choices=("float32", "int8", "fp8"), default="float32")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--retrieve", type=float, default=None, metavar="F",
+                        help="query-aware decode: each step reads this fraction of the pages")  # fmt: skip
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens: expected >= 1")
+    if args.retrieve is not None and not 0.0 < args.retrieve <= 1.0:
+        parser.error(f"--retrieve: expected a fraction of the pages in (0, 1], got {args.retrieve}")
+    retention = None
+    if args.retrieve is not None:
+        policy = offload.RetentionPolicy("streaming", args.retrieve, page_size=args.page_size, sink=1)  # fmt: skip
+        retention = Retention(policy, mode="retrieve")
     model, tok = load_model(args.gguf)
     ids = tok.encode(args.prompt_file.read_text()).ids
     if not ids:
         parser.error("--prompt-file: the prompt has no tokens")
     fmt = None if args.kv_format == "float32" else paged.KVFormat(args.kv_format)
     start = time.perf_counter()
-    (new,) = generate(model, [ids], args.max_new_tokens, page_size=args.page_size,
-                      chunk=args.chunk, kv_format=fmt)  # fmt: skip
+    server = make_server(model, len(ids) + args.max_new_tokens, page_size=args.page_size,
+                         chunk=args.chunk, kv_format=fmt)  # fmt: skip
+    (new,) = server.generate([ids], args.max_new_tokens, retention=retention)
     seconds = time.perf_counter() - start
     tokens = [int(t) for t in new]
     text = tok.decode(tokens)
     result = {"tokens": tokens, "text": text, "prompt_tokens": len(ids),
               "prefill_and_decode_s": round(seconds, 3)}  # fmt: skip
+    if retention is not None:
+        info = server.last_info
+        result["read_fraction"] = round(float(info.read_pages.sum() / info.live_pages.sum()), 4)
     print(text)
     print(json.dumps(result))
     return result

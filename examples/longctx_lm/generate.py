@@ -29,6 +29,13 @@ dropped (the decode never reads them) or demoted: copied to pinned host memory w
 the allocator (``PageAllocator.release_pages``): the ones nobody else holds are free for the
 decode's new tokens.
 
+``Retention(policy, mode="retrieve")`` is query-aware instead (Quest): every page stays on
+the device with its per-page key bounds (``paged.page_key_bounds`` after prefill,
+``paged.refresh_key_bounds`` after every decode write), and each decode step's attention in
+every layer reads only the ``budget`` pages its own query selects
+(``paged.select_pages_by_query`` / ``paged.retrieval_attention``; sink pages and the page
+being written always read), ``budget`` a static count from the policy's keep fraction.
+
 :class:`Server` keeps one allocator and one pool for many calls, so later requests hit the
 prefix cache of earlier ones.
 
@@ -39,6 +46,11 @@ Example (the committed checkpoint, a 20% device budget chosen by SnapKV, the res
     policy = offload.RetentionPolicy("snapkv", 0.2, page_size=16, recent=1)
     out = server.generate(prompts, 8, retention=Retention(policy, mode="demote"))
     server.last_info  # prompt pages, pages kept on device, bytes moved
+
+    # Query-aware: each step reads the 20% of pages its query selects (sink page included).
+    policy = offload.RetentionPolicy("streaming", 0.2, page_size=16, sink=1)
+    out = server.generate(prompts, 8, retention=Retention(policy, mode="retrieve"))
+    server.last_info.read_pages  # [B, 8] pages read per step, summed over layers
 """
 
 import dataclasses
@@ -132,47 +144,80 @@ def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start, n, per_qu
 _prefill_chunk_jit = jax.jit(_prefill_chunk, static_argnums=(0, 7))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
-def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold=None):
+@functools.partial(jax.jit, static_argnums=(0, 6), static_argnames=("retrieve",))
+def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold=None,
+            bounds=None, retrieve=None):  # fmt: skip
     """``steps`` greedy tokens for every ``active [B]`` row (the others are empty rows: no
-    page, nothing written); returns ``(tokens [B, steps], cache, stack)``.
+    page, nothing written); returns ``(tokens [B, steps], cache, stack, read [B, steps])``,
+    ``read`` the pages each step's attention read, summed over layers (0 unless retrieving).
 
     Table slots whose pages left the device (dropped or demoted by a retention policy) hold
     the null page: attention skips them there, and, with ``cold = (cold_table [B, M],
     stage_k [L, K, Ps, C, H], stage_v)``, reads them from the fetched staging pool instead
     (``offload.mixed_residency_attention``).
+
+    With ``retrieve = (budget, sink, recent, per_kv_head)`` (static) and ``bounds`` the
+    cache's ``paged.PageKeyBounds``, every layer reads only the ``budget`` pages its query
+    selects (``paged.retrieval_attention``); the bounds of the page each step writes are
+    refreshed (``paged.refresh_key_bounds``) after the step (that page is always read: it is
+    the recent page, so the step's own selection does not need its new bound).
     """
     model = nnx.merge(graphdef, state)
     B = token.shape[0]
+    C = cache.page_size
 
-    def attend(q, cache, layer, table):
+    def attend(q, cache, layer, table, bounds):
         # The new token is already written at position lengths: attend over lengths + 1 keys.
-        if cold is None:
-            out = paged.paged_attention(
-                q, cache.k_pages[layer], cache.v_pages[layer], table, cache.lengths + 1
-            ).out
-            return out, None
+        lengths = cache.lengths + 1
         k, v = cache.k_pages[layer], cache.v_pages[layer]
+        if retrieve is not None:
+            budget, sink, recent, per_kv_head = retrieve
+            layer_bounds = bounds.layer(layer)
+            sel = paged.select_pages_by_query(
+                q, layer_bounds, table, lengths, page_size=C, budget=budget,
+                sink_pages=sink, recent_pages=recent,
+            )  # fmt: skip
+            if per_kv_head:  # each kv head its own budget pages (Quest's granularity)
+                out = paged.retrieval_attention(
+                    q, k, v, layer_bounds, table, lengths, budget=budget, sink_pages=sink,
+                    recent_pages=recent, per_kv_head=True,
+                ).out  # fmt: skip
+            else:
+                rt = paged.retrieval_table(sel, table, lengths, page_size=C)
+                out = paged.paged_attention(
+                    q, paged.retrieval_pool(k, rt.offset), paged.retrieval_pool(v, rt.offset),
+                    rt.page_table, rt.lengths, q_positions=cache.lengths[:, None] - rt.offset[:, None],
+                ).out  # fmt: skip
+            return out, sel.count
+        if cold is None:
+            return paged.paged_attention(q, k, v, table, lengths).out, None
         cold_table, cold_k, cold_v = cold
         res = offload.mixed_residency_attention(
-            q, k, v, table, cache.lengths + 1,
+            q, k, v, table, lengths,
             cold_table=cold_table, cold_k_pages=cold_k[layer], cold_v_pages=cold_v[layer],
         )  # fmt: skip
         return res.out, None
 
     def step(i, carry):
-        cache, stack, token, prev, out = carry
+        cache, stack, bounds, token, prev, out, read = carry
         cache, stack, ok = paged.ensure_next_page(cache, stack, active=active)
         positions = cache.lengths[:, None]
-        attend_step = functools.partial(attend, table=cache.page_table)
-        logits, cache, _ = _cached_forward(model, cache, token[:, None], prev[:, None], positions, attend_step)  # fmt: skip
+        attend_step = functools.partial(attend, table=cache.page_table, bounds=bounds)
+        logits, cache, counts = _cached_forward(model, cache, token[:, None], prev[:, None], positions, attend_step)  # fmt: skip
+        if retrieve is not None:
+            read = read.at[:, i].set(sum(counts))
+            for layer in range(len(model.blocks)):  # the written page's bounds, every layer
+                bounds = paged.refresh_key_bounds(
+                    bounds, cache, cache.lengths, 1, layer=layer, lengths=cache.lengths + 1
+                )
         cache = paged.advance(cache, ok.astype(jnp.int32))
         nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-        return cache, stack, nxt, token, out.at[:, i].set(nxt)
+        return cache, stack, bounds, nxt, token, out.at[:, i].set(nxt), read
 
     out = jnp.zeros((B, steps), jnp.int32)
-    cache, stack, _, _, out = jax.lax.fori_loop(0, steps, step, (cache, stack, token, prev, out))
-    return out, cache, stack
+    carry = (cache, stack, bounds, token, prev, out, jnp.zeros((B, steps), jnp.int32))
+    cache, stack, _, _, _, out, read = jax.lax.fori_loop(0, steps, step, carry)
+    return out, cache, stack, read
 
 
 class PromptView(NamedTuple):
@@ -227,6 +272,9 @@ def policy_select(policy: offload.RetentionPolicy):
     return select
 
 
+_RETRIEVE_KINDS = ("streaming", "recency")
+
+
 @dataclasses.dataclass(frozen=True)
 class Retention:
     """Which prompt pages stay on the device after prefill, and what happens to the rest.
@@ -237,32 +285,100 @@ class Retention:
         an oracle).
       mode: ``"drop"``: the other pages are never read again (the decode's approximation);
         ``"demote"``: they are copied to pinned host memory (``offload.OffloadManager``),
-        fetched back into a cold pool and read from there (exact).
-      window: ``W``, prompt queries observed one by one at the end of prefill.
+        fetched back into a cold pool and read from there (exact); ``"retrieve"``
+        (Quest-style, query-aware): no page leaves the device, and each decode step's
+        attention in every layer reads only the ``budget`` pages its own query selects
+        (``paged.select_pages_by_query`` over the pages' key bounds, ``paged.page_key_bounds``
+        after prefill and ``paged.refresh_key_bounds`` after every write;
+        ``paged.retrieval_attention``). ``select`` must then be a ``RetentionPolicy`` of kind
+        ``"streaming"`` or ``"recency"`` that only sizes the selection (a scored policy's
+        prefill ranking would go unused: the query ranks the pages): ``budget`` pages per
+        step (``offload.budget_units`` of the live pages at the last decode step; a float
+        1.0 reads every page, so the tokens equal no retention), its ``sink`` leading pages
+        always read, and the page being written always read (``recent_pages = 1``; kivi2
+        pages: the residual window's pages). ``GenerationInfo.read_pages`` holds the pages
+        each step read.
+      window: ``W``, prompt queries observed one by one at the end of prefill (unused by
+        ``"retrieve"``).
       scrub: overwrite the device pages the retention freed (evicted by every row holding
         them, held by no other sequence, out of the prefix cache) with NaN, so nothing can
-        read them by mistake (a testing aid).
+        read them by mistake (a testing aid; not with ``"retrieve"``, which frees nothing).
+      per_kv_head: ``"retrieve"`` only: each kv head selects its own ``budget`` pages by its
+        own query group's bound (Quest's granularity, ``retrieval_attention(...,
+        per_kv_head=True)``) instead of one selection shared by the heads; the same pages
+        read per step.
     """
 
     select: Any
     mode: str = "drop"
     window: int = 16
     scrub: bool = False
+    per_kv_head: bool = False
 
     def __post_init__(self):
-        if self.mode not in ("drop", "demote"):
-            raise ValueError(f"Retention: mode: expected 'drop' or 'demote', got {self.mode!r}")
+        if self.mode not in ("drop", "demote", "retrieve"):
+            raise ValueError(
+                f"Retention: mode: expected 'drop', 'demote' or 'retrieve', got {self.mode!r}"
+            )
         if not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"Retention: window: expected an int >= 1, got {self.window!r}")
         if not (isinstance(self.select, offload.RetentionPolicy) or callable(self.select)):
             raise ValueError(
                 f"Retention: select: expected a RetentionPolicy or a callable, got {self.select!r}"
             )
+        if self.per_kv_head and self.mode != "retrieve":
+            raise ValueError(
+                f"Retention: per_kv_head: only for mode='retrieve' (a per-step selection), got "
+                f"mode={self.mode!r}; drop per_kv_head or use mode='retrieve'"
+            )
+        if self.mode == "retrieve":
+            self._check_retrieve()
+
+    def _check_retrieve(self):
+        policy = self.select
+        hint = "e.g. offload.RetentionPolicy('streaming', 0.2, page_size=C, sink=1)"
+        if not isinstance(policy, offload.RetentionPolicy):
+            raise ValueError(
+                "Retention: select: mode='retrieve' needs a RetentionPolicy to size the "
+                f"per-step selection (its budget and sink), got {policy!r}; pass one, {hint}"
+            )
+        if policy.granularity != "page":
+            raise ValueError(
+                f"Retention: select: mode='retrieve' selects pages: expected a page policy, got "
+                f"granularity={policy.granularity!r}; {hint}"
+            )
+        if policy.kind not in _RETRIEVE_KINDS:
+            raise ValueError(
+                f"Retention: select: mode='retrieve' ranks the pages by each step's query, so "
+                f"the {policy.kind!r} policy's prefill scores would go unused: expected kind "
+                f"'streaming' or 'recency' (the budget and sink only), {hint}; or keep "
+                f"{policy.kind!r} with mode='drop' or 'demote'"
+            )
+        if self.scrub:
+            raise ValueError(
+                "Retention: scrub: mode='retrieve' frees no page, nothing to scrub; drop scrub"
+            )
 
     def rule(self):
         if isinstance(self.select, offload.RetentionPolicy):
             return policy_select(self.select)
         return self.select
+
+    def retrieval(self, live_pages: int, page_size: int, kv_format=None) -> tuple[int, int, int]:
+        """``(budget, sink_pages, recent_pages)`` of ``mode="retrieve"`` for sequences of at
+        most ``live_pages`` pages (the last decode step's) of ``page_size`` tokens."""
+        policy = self.select
+        if policy.page_size != page_size:
+            raise ValueError(
+                f"Retention: select: expected the server's page_size {page_size}, got a policy "
+                f"with page_size={policy.page_size}; make the policy with page_size={page_size}"
+            )
+        recent = 1  # the page being written holds the query: always read
+        if kv_format is not None and kv_format.kind == "kivi2":
+            recent = max(recent, kv_format.residual_pages(page_size))
+        sink = int(policy.sink)
+        budget = max(sink + recent, int(offload.budget_units(policy, int(live_pages))))
+        return budget, sink, recent
 
 
 class GenerationInfo(NamedTuple):
@@ -278,7 +394,14 @@ class GenerationInfo(NamedTuple):
       tier_bytes: bytes by tier after the retention, measured from the arrays that hold them
         (``offload.page_nbytes``, ``offload.measure_bytes``): ``"device"`` the distinct pages
         the batch's rows hold, ``"staging"`` the staging pool the demoted pages were fetched
-        into (0 without one).
+        into (0 without one), ``"bounds"`` the key bounds of ``mode="retrieve"`` (0 else).
+      read_pages: ``mode="retrieve"`` only (else None): ``[B, max_new_tokens]`` the pages each
+        decode step's attention read, summed over the layers (the selections' counts: at most
+        ``budget * num_layers``; 0 for empty rows).
+      live_pages: ``mode="retrieve"`` only: ``[B, max_new_tokens]`` the pages each step could
+        have read (the row's pages, summed over the layers): ``read_pages / live_pages`` is
+        the fraction of the KV read.
+      budget: ``mode="retrieve"`` only: the pages per layer each step selects.
     """
 
     prompt_pages: np.ndarray
@@ -286,6 +409,9 @@ class GenerationInfo(NamedTuple):
     moved_bytes: int
     freed_pages: int = 0
     tier_bytes: dict | None = None
+    read_pages: np.ndarray | None = None
+    live_pages: np.ndarray | None = None
+    budget: int | None = None
 
 
 @dataclasses.dataclass
@@ -337,7 +463,9 @@ class Server:
         a time to observe their attention, the rule picks the prompt pages that stay on the
         device, and the rest are dropped or demoted (see :class:`Retention`); the page the
         decode writes into (holding the prompt's last token) always stays. Pages made by the
-        decode are all kept. :attr:`last_info` says what happened.
+        decode are all kept. With ``retention.mode == "retrieve"`` no page leaves the device
+        and no window is observed: every decode step reads, per layer, the pages its query
+        selects. :attr:`last_info` says what happened.
         """
         if not 1 <= len(prompts) <= self.batch:
             raise ValueError(f"generate: prompts: expected 1..{self.batch}, got {len(prompts)}")
@@ -365,7 +493,8 @@ class Server:
         )
         # Prefill everything but each prompt's last token in chunks; the last token starts the
         # decode loop (its logits give the first new token).
-        W = retention.window if retention is not None else 0
+        retrieve = retention is not None and retention.mode == "retrieve"
+        W = retention.window if retention is not None and not retrieve else 0
         full = np.zeros((B, self.max_len + max(self.chunk, W)), np.int32)
         for i, p in enumerate(prompts):
             full[i, : len(p)] = p
@@ -384,7 +513,7 @@ class Server:
             cache, mass = chunk(pos, n, self.chunk, False)
             prompt_mass, pos = prompt_mass + mass, pos + n
         window_mass = None
-        if retention is not None:
+        if W:  # the observation window of the drop / demote policies
             n = (last - pos).astype(np.int32)
             cache, mass = chunk(pos, n, W, True)  # [B, W, N, M]
             # Right-align each row's queries: window_mass[W - 1] is its last prefilled query.
@@ -399,8 +528,18 @@ class Server:
         cache = paged.with_page_table(cache, cache.page_table, jnp.asarray(last))
         for s, a in zip(seqs, admissions, strict=True):
             self.allocator.commit(s, a.num_tokens - 1)
-        cache, cold, info = self._retain(cache, rows, retention, prompt_mass, window_mass, last)
-        self.last_info = info
+        bounds = options = None
+        if retrieve:  # every page stays; each step reads what its query selects
+            cache, cold, info = self._retain(cache, rows, None, prompt_mass, window_mass, last)
+            live = -(-(last + max_new_tokens) // C)  # the pages of the last decode step
+            options = retention.retrieval(int(live.max()), C, self.kv_format)
+            options = (*options, bool(retention.per_kv_head))
+            bounds = paged.page_key_bounds(cache)
+            info = info._replace(
+                tier_bytes={**info.tier_bytes, "bounds": bounds.nbytes}, budget=options[0]
+            )
+        else:
+            cache, cold, info = self._retain(cache, rows, retention, prompt_mass, window_mass, last)  # fmt: skip
         # Pages for the generated tokens come from an on-device stack (no host round trips).
         # The loop writes max_new_tokens tokens per request row from its last prompt token on.
         writes = np.array([max_new_tokens] * len(prompts) + [0] * pads)
@@ -410,7 +549,13 @@ class Server:
         token = jnp.asarray(full[np.arange(B), last])
         prev = jnp.asarray(prev_full[np.arange(B), last])
         active = jnp.asarray(writes > 0)
-        out, cache, stack = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active, cold)  # fmt: skip
+        out, cache, stack, read = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active, cold, bounds, retrieve=options)  # fmt: skip
+        if retrieve:
+            # Step i attends over last + i + 1 tokens: its pages in every layer.
+            steps = last[:, None] + np.arange(1, max_new_tokens + 1)[None]
+            live = -(-steps // C) * self.model.cfg.num_layers * (writes > 0)[:, None]
+            info = info._replace(read_pages=np.asarray(read), live_pages=live)
+        self.last_info = info
         _, unused = paged.taken_pages(stack, len(reserve))
         self.allocator.settle(rows, np.asarray(cache.page_table), np.asarray(cache.lengths), unused=unused)  # fmt: skip
         self.cache = cache
@@ -478,7 +623,7 @@ class Server:
         held = int((held != paged.NULL_PAGE).sum())
         staging = 0 if cold is None else sum(offload.measure_bytes(cold[1:]).values())
         device = held * offload.page_nbytes(cache.k_pages, cache.v_pages)
-        tiers = {"device": device, "staging": staging}
+        tiers = {"device": device, "staging": staging, "bounds": 0}
         return GenerationInfo(prompt_pages, kept_pages, moved, int(freed), tiers)
 
 

@@ -244,6 +244,59 @@ def test_paged_generation_equals_dense_greedy_on_a_tiny_model():
         np.testing.assert_array_equal(g, generate_dense(model, p, 6, attention.dense()))
 
 
+def test_query_aware_retrieval_from_the_llama_server_on_a_tiny_model():
+    """The real-model server with Retention(mode="retrieve"): a budget of every page gives
+    dense greedy's tokens; at 50% each step of each layer reads ceil(0.5 * 6) = 3 pages of
+    the 5..6 it holds (40 + 5 tokens attended at the last step, pages of 8)."""
+    import offload
+    from examples.llama.generate import make_server
+    from examples.longctx_lm.generate import Retention
+
+    model = Llama(TINY, rngs=nnx.Rngs(5))
+    prompt = list(np.random.default_rng(1).integers(0, TINY.vocab_size, 40))
+    server = make_server(model, 46, page_size=8, chunk=16)
+    every = offload.RetentionPolicy("streaming", 1.0, page_size=8, sink=1)
+    got = server.generate([prompt], 6, retention=Retention(every, mode="retrieve", per_kv_head=True))  # fmt: skip
+    np.testing.assert_array_equal(got[0], generate_dense(model, prompt, 6, attention.dense()))
+    info = server.last_info
+    assert info.budget == 6 and (info.read_pages == info.live_pages).all()
+    part = offload.RetentionPolicy("streaming", 0.5, page_size=8, sink=1)
+    server.generate([prompt], 6, retention=Retention(part, mode="retrieve"))
+    info = server.last_info
+    L = TINY.num_layers
+    assert info.budget == 3
+    np.testing.assert_array_equal(info.read_pages[0], [3 * L] * 6)
+    np.testing.assert_array_equal(info.live_pages[0], L * -(-(40 + np.arange(6)) // 8))
+
+
+def test_generate_command_retrieve_flag_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    """``--retrieve 1.0`` prints the tokens of a plain run and ``read_fraction`` 1.0; a
+    fraction reads less; a fraction outside (0, 1] is a usage error."""
+    from examples.llama import generate as cli
+
+    class Tok:  # ids are the characters' codes modulo the tiny vocabulary
+        def encode(self, text):
+            return type("E", (), {"ids": [ord(c) % TINY.vocab_size for c in text]})()
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    model = Llama(TINY, rngs=nnx.Rngs(5))
+    monkeypatch.setattr(cli, "load_model", lambda path: (model, Tok()))
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("the quick brown fox jumps over the lazy dog, twice")
+    args = ["--prompt-file", str(prompt), "--max-new-tokens", "4", "--page-size", "8", "--chunk", "16"]  # fmt: skip
+    plain = cli.main(args)
+    every = cli.main([*args, "--retrieve", "1.0"])
+    assert every["tokens"] == plain["tokens"] and every["read_fraction"] == 1.0
+    assert "read_fraction" not in plain
+    assert cli.main([*args, "--retrieve", "0.3"])["read_fraction"] < 0.5
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--retrieve", "0"])
+    assert "--retrieve: expected a fraction" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------
 # SmolLM2-135M against transformers' committed reference
 # ------------------------------------------------------------------------------------------

@@ -514,3 +514,142 @@ def test_generation_from_kivi2_pages_equals_dense_over_the_kivi2_kv(policy, mode
             )
         for p, g in zip(prompts[::-1] if call else prompts, got, strict=True):
             np.testing.assert_array_equal(g, generate.generate_dense(model, p, 5, attend))
+
+
+def _retrieval_dense(budget, sink, decode_from, C):
+    """The retrieve oracle: dense attention (recomputed over the whole sequence) where each
+    query at a position ``t >= decode_from`` sees only the keys of the pages it selects:
+    pages ``0 .. sink - 1`` and its own page always, then the others by decreasing
+    ``max_n sum_h max(q_nh * min_h, q_nh * max_h)`` (min / max over the page's keys at
+    positions ``<= t``, of query head ``n``'s kv head), ties to the lower page, ``budget`` in
+    all. Written from the definition (Quest), sharing no code with ``paged``."""
+
+    def attend(q, k, v, positions):
+        _, S, N, H = q.shape
+        G = N // k.shape[2]
+        kk = jnp.repeat(k[0], G, axis=1)  # [S, N, H]: query head n reads kv head n // G
+        vv = jnp.repeat(v[0], G, axis=1)
+        P = -(-S // C)
+        pages = jnp.pad(kk, ((0, P * C - S), (0, 0), (0, 0))).reshape(P, C, N, H)
+        pos = np.arange(P * C).reshape(P, C)
+        t = np.arange(S)
+        seen = (pos[None] <= t[:, None, None])[..., None, None]  # [S(t), P, C, 1, 1]
+        lo = jnp.where(seen, pages[None], jnp.inf).min(2)  # [S, P, N, H]
+        hi = jnp.where(seen, pages[None], -jnp.inf).max(2)
+        qt = q[0][:, None]  # [S, 1, N, H]
+        score = jnp.maximum(qt * lo, qt * hi).sum(-1).max(-1)  # [S, P]
+        own = (t // C)[:, None]
+        j = np.arange(P)[None]
+        pri = jnp.where((j < sink) | (j == own), jnp.inf, jnp.where(j <= own, score, -jnp.inf))
+        rank = jnp.argsort(jnp.argsort(-pri, axis=1, stable=True), axis=1)  # 0 = first picked
+        chosen = rank < budget  # [S, P]
+        page_of = np.arange(S) // C
+        allowed = (t[None, :] <= t[:, None]) & (
+            (t[:, None] < decode_from) | chosen[:, page_of]
+        )  # [S(query), S(key)]
+        logits = jnp.einsum("tnh,snh->nts", q[0], kk) / np.sqrt(H)
+        p = jax.nn.softmax(jnp.where(allowed[None], logits, -jnp.inf), axis=-1)
+        return jnp.einsum("nts,snh->tnh", p, vv)[None]
+
+    return attend
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_retrieve_with_every_page_in_budget_equals_no_retention(per_kv_head):
+    """mode="retrieve" with a budget of every page: the same greedy tokens as no retention,
+    every page of every layer read at every step, nothing freed or moved."""
+    import offload
+
+    generate, model, server, prompts = _retention_setup()
+    want = server.generate(prompts, 5)
+    policy = offload.RetentionPolicy("streaming", 1.0, page_size=4, sink=1)
+    retention = generate.Retention(policy, mode="retrieve", per_kv_head=per_kv_head)
+    got = server.generate(prompts, 5, retention=retention)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    info = server.last_info
+    assert info.budget == 14  # ceil((49 + 5) / 4): the longest row's pages at its last step
+    L = TINY.num_layers
+    for b, p in enumerate(prompts):
+        steps = len(p) + np.arange(5)  # tokens attended at each step
+        np.testing.assert_array_equal(info.read_pages[b], L * -(-steps // 4))
+        np.testing.assert_array_equal(info.live_pages[b], info.read_pages[b])
+    assert (info.read_pages[2] == 0).all()  # the empty row
+    assert info.freed_pages == 0 and info.moved_bytes == 0
+    np.testing.assert_array_equal(info.kept_pages, info.prompt_pages)
+    H, K = TINY.head_dim, TINY.num_kv_heads
+    assert info.tier_bytes["bounds"] == 2 * 4 * L * K * server.num_pages * H
+
+
+def test_retrieve_with_a_small_budget_reads_what_each_query_selects():
+    """mode="retrieve" with 30% of the pages: each step of each layer reads the 5 pages its
+    own query selects; the greedy tokens equal a dense recompute that masks, per query,
+    everything outside the pages the Quest bound selects (an independent oracle), and the
+    pages read per step are the budget in every layer."""
+    import offload
+
+    generate, model, server, prompts = _retention_setup()
+    policy = offload.RetentionPolicy("streaming", 0.3, page_size=4, sink=1)
+    got = server.generate(prompts, 5, retention=generate.Retention(policy, mode="retrieve"))
+    info = server.last_info
+    assert info.budget == 5  # ceil(0.3 * 14)
+    L = TINY.num_layers
+    for b, p in enumerate(prompts):
+        want = generate.generate_dense(model, p, 5, _retrieval_dense(5, 1, len(p) - 1, 4))
+        np.testing.assert_array_equal(got[b], want)
+        np.testing.assert_array_equal(info.read_pages[b], [5 * L] * 5)
+        assert (info.read_pages[b] < info.live_pages[b]).all()
+    full = server.generate(prompts, 5)  # every page (equal to dense: tested above)
+    assert any((g != f).any() for g, f in zip(got, full, strict=True))  # the budget bites
+
+
+def test_retrieve_rejects_bad_combinations():
+    import offload
+    from examples.longctx_lm import generate
+
+    streaming = offload.RetentionPolicy("streaming", 0.3, page_size=4, sink=1)
+    with pytest.raises(ValueError, match="'streaming' or 'recency'"):
+        h2o = offload.RetentionPolicy("h2o", 0.3, page_size=4, sink=1, recent=1)
+        generate.Retention(h2o, mode="retrieve")
+    with pytest.raises(ValueError, match="needs a RetentionPolicy"):
+        generate.Retention(lambda view: None, mode="retrieve")
+    with pytest.raises(ValueError, match="page policy"):
+        generate.Retention(offload.RetentionPolicy("recency", 4, granularity="token"), mode="retrieve")  # fmt: skip
+    with pytest.raises(ValueError, match="frees no page"):
+        generate.Retention(streaming, mode="retrieve", scrub=True)
+    with pytest.raises(ValueError, match="per_kv_head"):
+        generate.Retention(streaming, mode="drop", per_kv_head=True)
+    _, _, server, prompts = _retention_setup()
+    wrong = offload.RetentionPolicy("streaming", 0.3, page_size=8, sink=1)
+    with pytest.raises(ValueError, match="page_size=4"):
+        server.generate(prompts, 2, retention=generate.Retention(wrong, mode="retrieve"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "residual"),
+    [("int8", 0), pytest.param("kivi2", 8, marks=pytest.mark.slow)],  # kivi2: ~40 s
+)
+def test_retrieve_on_quantized_pages_with_every_page_equals_no_retention(kind, residual):
+    """Quantized pages (int8; kivi2 with a 3-page full-precision window, which the selection
+    always reads): a budget of every page gives the tokens of no retention on the same
+    format, and a small budget is raised to hold the sink and the window."""
+    import offload
+    import paged
+    from examples.longctx_lm import generate
+
+    fmt = paged.KVFormat(kind, residual=residual) if kind == "kivi2" else paged.KVFormat(kind)
+    model = tiny_model(3)
+    server = generate.Server(model, num_pages=64, page_size=4, max_len=64, batch=2, chunk=8, kv_format=fmt)  # fmt: skip
+    batch = data.make_batch(data.TaskConfig("passkey", length=40), 2, seed=3)
+    prompts = [list(batch.tokens[0][:30]), list(batch.tokens[1][:23])]
+    want = server.generate(prompts, 4, salt="plain")
+    every = offload.RetentionPolicy("streaming", 1.0, page_size=4, sink=1)
+    got = server.generate(prompts, 4, retention=generate.Retention(every, mode="retrieve"), salt="every")  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert server.last_info.budget == 9  # ceil((29 + 4) / 4)
+    small = offload.RetentionPolicy("streaming", 0.1, page_size=4, sink=1)
+    server.generate(prompts, 4, retention=generate.Retention(small, mode="retrieve"), salt="small")  # fmt: skip
+    budget = 1 + (3 if kind == "kivi2" else 1)  # the sink + the window (or the open page)
+    assert server.last_info.budget == budget
+    np.testing.assert_array_equal(server.last_info.read_pages[0], [budget * TINY.num_layers] * 4)
