@@ -34,12 +34,13 @@
 #    its own query ranks highest, and the score is plotted against the fraction of the KV
 #    actually read, beside SnapKV at the same fraction kept.
 #
-# It runs on a CPU (Colab's included): about 2 minutes of CPU at `NOTEBOOK_SCALE=small`
+# It runs on a CPU (Colab's included): about 4 minutes of CPU at `NOTEBOOK_SCALE=small`
 # (512-token contexts, one sample, five presses at two ratios and retrieval at two, most of it
 # compiling); the full size (4K-token contexts, 4 samples, eight presses and retrieval at four
-# ratios each) takes longer, an estimated 20-30 minutes on two cores. `SAMPLES`, `RATIOS`,
+# ratios each) takes longer, an estimated 30-45 minutes on two cores (not measured; retrieval
+# compiles a program per budget, which varies with the question's length). `SAMPLES`, `RATIOS`,
 # `PRESSES` and `RETRIEVAL_RATIOS` below set its size.
-# `NOTEBOOK_RESULTS=path.json` writes the numbers (and the plot beside them).
+# `NOTEBOOK_RESULTS=path.json` writes the numbers (and the plots beside them).
 #
 # On Colab run the next cell first (it installs the library and the model's GGUF; the tests
 # and CI skip it). `examples/` lives in the repository, not in the wheel: the cell after it
