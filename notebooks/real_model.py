@@ -307,6 +307,8 @@ snap_x = [1.0] + [mean(np.divide(kept_pages["snapkv"][r], live_pages)) for r in 
 snap_y = [mean(full_scores)] + [mean(scores["snapkv"][r]) for r in RATIOS]
 ax.plot(snap_x, snap_y, "s:", label="SnapKV (fraction of the context kept)")
 ax.set_xscale("log")
+for axis_formatter in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+    axis_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
 ax.set_xlabel("fraction of the KV read per decode step")
 ax.set_ylabel("RULER niah_single score")
 ax.set_ylim(-0.05, 1.05)
