@@ -101,19 +101,19 @@ def paged_decode(model, prompt: np.ndarray, new_tokens: int):
     )
     real, recorded = generate._decode, []
 
-    def recording(*args):
-        recorded.append(args)
-        return real(*args)
+    def recording(*args, **kwargs):
+        recorded.append((args, kwargs))
+        return real(*args, **kwargs)
 
     generate._decode = recording
     try:
         (tokens,) = server.generate([prompt], new_tokens)
     finally:
         generate._decode = real
-    (args,) = recorded
+    ((args, kwargs),) = recorded
 
     def rerun():
-        return real(*args)[0]
+        return real(*args, **kwargs)[0]
 
     return np.asarray(tokens), rerun
 
