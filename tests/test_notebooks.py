@@ -1,33 +1,29 @@
 """Notebooks: each runs end to end at a small size and computes the right numbers; its Colab
-copy is in sync; its Colab install cell is one ``%pip`` line that test and CI runs skip.
+copy is in sync; its Colab install cell is one ``%pip`` line that test runs skip.
 
-Each notebook's jupytext source (``notebooks/*.py``) runs as a script in a fresh process with
-``QUICKSTART_RESULTS`` (quickstart) or ``NOTEBOOK_RESULTS`` (the others, with
-``NOTEBOOK_SCALE=small``) pointing at a JSON file; the notebook writes what it computed there
-and the test checks those numbers against bounds it derives on its own where it can (the
-shared-prefix hit rate, the waste per page size, the causal work per device, bytes per hop).
-(To execute the ``.ipynb`` itself headless, install the ``[notebooks]`` extra and run
-``jupyter execute notebooks/quickstart.ipynb``: nbclient skips the install cell, tagged
-``skip-execution``.)
-"""
+Each notebook's Colab copy (``notebooks/*.ipynb``) is executed in a real Jupyter kernel
+(``tests/_notebooks.py``, nbclient, as ``jupyter execute`` does) with ``QUICKSTART_RESULTS``
+(quickstart) or ``NOTEBOOK_RESULTS`` (the others, with ``NOTEBOOK_SCALE=small``) pointing at a
+JSON file; the notebook writes what it computed there and the test checks those numbers
+against bounds it derives on its own where it can (the shared-prefix hit rate, the waste per
+page size, the causal work per device, bytes per hop). The jupytext source (``*.py``) is
+checked to be the same cells and a plain script."""
 
 import ast
 import itertools
-import json
 import math
-import os
 import pathlib
 import re
-import subprocess
 import sys
 import tomllib
 
 import jupytext
 import pytest
 
+from tests._notebooks import execute_notebook
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(ROOT.joinpath("notebooks").glob("*.py"))
-QUICKSTART = ROOT / "notebooks" / "quickstart.py"
 
 # What quickstart computes, and the bound each number must satisfy (float32 throughout).
 QUICKSTART_BOUNDS = {
@@ -44,14 +40,6 @@ def _cells(notebook):
     return [(c.cell_type, c.source.strip()) for c in notebook.cells]
 
 
-def _env(**extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
-    env.pop("XLA_FLAGS", None)
-    # This checkout's packages, not whatever copy is installed.
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_ipynb_is_paired_and_in_sync(source):
     ipynb = source.with_suffix(".ipynb")
@@ -64,20 +52,9 @@ def test_ipynb_is_paired_and_in_sync(source):
 
 
 def test_quickstart_computes_exact_results(tmp_path):
-    results = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(QUICKSTART)],
-        cwd=tmp_path,
-        env=_env(QUICKSTART_SCALE="small", QUICKSTART_RESULTS=str(results)),
-        capture_output=True,
-        text=True,
-        timeout=900,
+    computed, _ = execute_notebook(
+        "quickstart", tmp_path, results_var="QUICKSTART_RESULTS", QUICKSTART_SCALE="small"
     )
-    assert proc.returncode == 0, (
-        f"{QUICKSTART.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    )
-    assert results.exists(), f"{QUICKSTART.name} wrote no results:\n{proc.stdout[-2000:]}"
-    computed = json.loads(results.read_text())
     for name, bound in QUICKSTART_BOUNDS.items():
         assert name in computed, (name, sorted(computed))
         assert math.isfinite(computed[name]) and computed[name] < bound, (
@@ -139,24 +116,8 @@ def test_notebooks_extra_provides_what_the_notebooks_import():
 
 
 def _run_notebook(name, tmp_path):
-    """Runs ``notebooks/NAME.py`` at the small size; returns its results and the PNGs it saved."""
-    source = ROOT / "notebooks" / f"{name}.py"
-    results = tmp_path / "results.json"
-    env = _env(NOTEBOOK_SCALE="small", NOTEBOOK_RESULTS=str(results))
-    env.pop("NOTEBOOK_TOKENS", None)  # offload_tiers' host-memory decode at its small size
-    proc = subprocess.run(
-        [sys.executable, str(source)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, (
-        f"{source.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    )
-    assert results.exists(), f"{source.name} wrote no results:\n{proc.stdout[-2000:]}"
-    return json.loads(results.read_text()), sorted(p.name for p in tmp_path.glob("*.png"))
+    """Executes ``notebooks/NAME.ipynb`` at the small size; its results and the PNGs it saved."""
+    return execute_notebook(name, tmp_path, results_var="NOTEBOOK_RESULTS", NOTEBOOK_SCALE="small")
 
 
 @pytest.mark.slow

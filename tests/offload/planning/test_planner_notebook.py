@@ -1,49 +1,27 @@
-"""notebooks/planner.py runs end to end as a script and computes the right numbers.
+"""notebooks/planner.ipynb runs end to end in a Jupyter kernel and computes the right numbers.
 
-The notebook's jupytext source runs in a fresh process with ``NOTEBOOK_RESULTS`` pointing at a
+The notebook runs in a fresh kernel (tests/_notebooks.py) with ``NOTEBOOK_RESULTS`` pointing at a
 JSON file; every number it writes is checked against arithmetic done here, independently of the
 planner (numpy for the sizing percentile, bytes from the model shape, pages from the memory).
 """
 
-import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-NOTEBOOK = ROOT / "notebooks" / "planner.py"
+from tests._notebooks import execute_notebook
+
 GiB = 2**30
-
-
-def _env(**extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    return env
 
 
 def _usable_pages(memory: int, page_bytes: int) -> int:
     return memory // page_bytes - 1  # page 0 is the null page
 
 
-@pytest.mark.slow  # a fresh interpreter importing JAX: about 5 s on 2 shared cores
+@pytest.mark.slow  # a fresh kernel importing JAX: about 10 s on 2 shared cores
 def test_planner_notebook_computes_the_right_numbers(tmp_path):
-    results = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(NOTEBOOK)],
-        cwd=tmp_path,
-        env=_env(NOTEBOOK_RESULTS=str(results)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"{NOTEBOOK.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr}"
-    got = json.loads(results.read_text())
+    got, _ = execute_notebook("planner", tmp_path, results_var="NOTEBOOK_RESULTS")
 
     # 1. Llama-3-70B at 256K, TP=8 over one node: 8 kv heads (real) and 64 (the article's count).
     L, N, K, H, bf16, tp = 80, 64, 8, 128, 2, 8
