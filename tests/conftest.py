@@ -14,8 +14,8 @@ leaves XLA's HLO passes, fusion and buffer assignment included, unchanged; the e
 makes XLA:CPU form fewer fusions (those the older emitters cannot take), so a check of a
 program's fusions or memory sees a close relative of a user's program; every test passed
 with and without it (docs/development.md says how to run one as a user's). The default run
-took 19m28s with ``-O0`` alone, 11m47s with both, on 2 cores. Subprocesses and notebook kernels the tests start inherit the
-flags. Benchmarks compile with the defaults.
+took 19m28s with ``-O0`` alone, 11m47s with both, on 2 cores. Subprocesses and notebook
+kernels the tests start inherit the flags. Benchmarks compile with the defaults.
 """
 
 import os
