@@ -17,7 +17,10 @@ prints the continuation, then as its last line one JSON object: ``tokens`` (the 
 every page stays on the device and each step's attention in every layer reads only the
 ``ceil(F * pages)`` pages its query selects (the first page and the page being written
 always); the JSON then adds ``read_fraction``, the pages read over the pages held, over every
-step and layer.
+step and layer. With ``--host`` the prompt's pages but the first and the last wait in pinned
+host memory (``Retention(..., host=True)``): each step fetches only the pages its query
+selects, and the JSON adds ``moved_bytes`` (the copy to host and every fetch) and
+``host_bytes``.
 """
 
 import argparse
@@ -83,15 +86,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--retrieve", type=float, default=None, metavar="F",
                         help="query-aware decode: each step reads this fraction of the pages")  # fmt: skip
+    parser.add_argument("--host", action="store_true",
+                        help="with --retrieve: the prompt's pages wait in pinned host memory")  # fmt: skip
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens: expected >= 1")
     if args.retrieve is not None and not 0.0 < args.retrieve <= 1.0:
         parser.error(f"--retrieve: expected a fraction of the pages in (0, 1], got {args.retrieve}")
+    if args.host and args.retrieve is None:
+        parser.error("--host: expected with --retrieve F (the host tier is read query-aware)")
     retention = None
     if args.retrieve is not None:
         policy = offload.RetentionPolicy("streaming", args.retrieve, page_size=args.page_size, sink=1)  # fmt: skip
-        retention = Retention(policy, mode="retrieve")
+        retention = Retention(policy, mode="retrieve", host=args.host)
     model, tok = load_model(args.gguf)
     ids = tok.encode(args.prompt_file.read_text()).ids
     if not ids:
@@ -109,6 +116,9 @@ def main(argv=None) -> dict:
     if retention is not None:
         info = server.last_info
         result["read_fraction"] = round(float(info.read_pages.sum() / info.live_pages.sum()), 4)
+        if args.host:
+            result["moved_bytes"] = int(info.moved_bytes)
+            result["host_bytes"] = int(info.tier_bytes.get("host", 0))
     print(text)
     print(json.dumps(result))
     return result

@@ -35,6 +35,10 @@ the device with its per-page key bounds (``paged.page_key_bounds`` after prefill
 every layer reads only the ``budget`` pages its own query selects
 (``paged.select_pages_by_query`` / ``paged.retrieval_attention``; sink pages and the page
 being written always read), ``budget`` a static count from the policy's keep fraction.
+With ``host=True`` the prompt's pages leave the device for pinned host memory, all but the
+sink pages and the trailing pages every step reads; their bounds stay on the device, and each
+step fetches only the host pages its query selects (``offload.retrieval_decode_attention``;
+see :mod:`examples.longctx_lm.host_retrieval`).
 
 :class:`Server` keeps one allocator and one pool for many calls, so later requests hit the
 prefix cache of earlier ones.
@@ -51,6 +55,10 @@ Example (the committed checkpoint, a 20% device budget chosen by SnapKV, the res
     policy = offload.RetentionPolicy("streaming", 0.2, page_size=16, sink=1)
     out = server.generate(prompts, 8, retention=Retention(policy, mode="retrieve"))
     server.last_info.read_pages  # [B, 8] pages read per step, summed over layers
+
+    # The same selection, the prompt's pages in pinned host memory: only the selected ones come back.
+    out = server.generate(prompts, 8, retention=Retention(policy, mode="retrieve", host=True))
+    server.last_info.tier_bytes  # device, staging, bounds and host bytes
 """
 
 import dataclasses
@@ -65,6 +73,7 @@ from flax import nnx
 
 import offload
 import paged
+from examples.longctx_lm import host_retrieval
 from examples.longctx_lm.model import Transformer
 
 
@@ -307,6 +316,13 @@ class Retention:
         own query group's bound (Quest's granularity, ``retrieval_attention(...,
         per_kv_head=True)``) instead of one selection shared by the heads; the same pages
         read per step.
+      host: ``"retrieve"`` only: the prompt's pages but the sink pages and the trailing
+        ``recent`` ones move to pinned host memory and are freed on the device (their key
+        bounds stay there); each step fetches only the host pages its query selects
+        (``offload.retrieval_decode_attention``, one selection shared by the heads). The
+        tokens are those of ``host=False``; the decode is a Python loop over steps and layers
+        (one synchronisation per layer and step). ``GenerationInfo.moved_bytes`` counts the
+        copy to host and every fetch.
     """
 
     select: Any
@@ -314,6 +330,7 @@ class Retention:
     window: int = 16
     scrub: bool = False
     per_kv_head: bool = False
+    host: bool = False
 
     def __post_init__(self):
         if self.mode not in ("drop", "demote", "retrieve"):
@@ -330,6 +347,16 @@ class Retention:
             raise ValueError(
                 f"Retention: per_kv_head: only for mode='retrieve' (a per-step selection), got "
                 f"mode={self.mode!r}; drop per_kv_head or use mode='retrieve'"
+            )
+        if self.host and self.mode != "retrieve":
+            raise ValueError(
+                f"Retention: host: only for mode='retrieve' (mode='demote' moves the evicted "
+                f"pages to host already), got mode={self.mode!r}; drop host or use mode='retrieve'"
+            )
+        if self.host and self.per_kv_head:
+            raise ValueError(
+                "Retention: per_kv_head: the host tier fetches one selection shared by the "
+                "heads (offload.retrieval_decode_attention); drop per_kv_head or host"
             )
         if self.mode == "retrieve":
             self._check_retrieve()
@@ -388,13 +415,17 @@ class GenerationInfo(NamedTuple):
       prompt_pages: ``[B]`` live prompt pages per row.
       kept_pages: ``[B]`` of them resident on the device during decode (a page shared with a
         row that keeps it counts as kept).
-      moved_bytes: bytes copied to host and back (demote), 0 otherwise.
+      moved_bytes: bytes copied to host and back (demote; ``"retrieve"`` with ``host=True``:
+        to host once, and every fetch of a selected page), 0 otherwise.
       freed_pages: device pages the retention gave back to the allocator (evicted by every
         holder); the decode's new pages may reuse them.
       tier_bytes: bytes by tier after the retention, measured from the arrays that hold them
         (``offload.page_nbytes``, ``offload.measure_bytes``): ``"device"`` the distinct pages
         the batch's rows hold, ``"staging"`` the staging pool the demoted pages were fetched
-        into (0 without one), ``"bounds"`` the key bounds of ``mode="retrieve"`` (0 else).
+        into (0 without one; with ``host=True`` the largest one layer's step fetched into),
+        ``"bounds"`` the key bounds of ``mode="retrieve"`` (0 else; with ``host=True`` those
+        of the device pool and of the host slots), and with ``host=True`` ``"host"`` the
+        pages in pinned host memory.
       read_pages: ``mode="retrieve"`` only (else None): ``[B, max_new_tokens]`` the pages each
         decode step's attention read, summed over the layers (the selections' counts: at most
         ``budget * num_layers``; 0 for empty rows).
@@ -528,7 +559,7 @@ class Server:
         cache = paged.with_page_table(cache, cache.page_table, jnp.asarray(last))
         for s, a in zip(seqs, admissions, strict=True):
             self.allocator.commit(s, a.num_tokens - 1)
-        bounds = options = None
+        bounds = options = host = None
         if retrieve:  # every page stays; each step reads what its query selects
             cache, cold, info = self._retain(cache, rows, None, prompt_mass, window_mass, last)
             live = -(-(last + max_new_tokens) // C)  # the pages of the last decode step
@@ -538,6 +569,8 @@ class Server:
             info = info._replace(
                 tier_bytes={**info.tier_bytes, "bounds": bounds.nbytes}, budget=options[0]
             )
+            if retention.host:
+                cache, host, info = self._to_host(cache, rows, bounds, last, options, info)
         else:
             cache, cold, info = self._retain(cache, rows, retention, prompt_mass, window_mass, last)  # fmt: skip
         # Pages for the generated tokens come from an on-device stack (no host round trips).
@@ -549,7 +582,17 @@ class Server:
         token = jnp.asarray(full[np.arange(B), last])
         prev = jnp.asarray(prev_full[np.arange(B), last])
         active = jnp.asarray(writes > 0)
-        out, cache, stack, read = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active, cold, bounds, retrieve=options)  # fmt: skip
+        if host is not None:  # retrieve from the host tier
+            budget, sink, recent, _ = options
+            res = host_retrieval.decode(
+                self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active,
+                bounds, host, budget=budget, sink=sink, recent=recent,
+            )  # fmt: skip
+            out, cache, stack, read = res.tokens, res.cache, res.stack, res.read_pages
+            tiers = {**info.tier_bytes, "staging": res.peak_staging_bytes}
+            info = info._replace(moved_bytes=info.moved_bytes + res.fetched_bytes, tier_bytes=tiers)  # fmt: skip
+        else:
+            out, cache, stack, read = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active, cold, bounds, retrieve=options)  # fmt: skip
         if retrieve:
             # Step i attends over last + i + 1 tokens: its pages in every layer.
             steps = last[:, None] + np.arange(1, max_new_tokens + 1)[None]
@@ -616,6 +659,30 @@ class Server:
             cache = cache._replace(k_pages=_scrub(cache.k_pages, dead), v_pages=_scrub(cache.v_pages, dead))  # fmt: skip
         info = self._info(cache, live.sum(1), keep.sum(1), moved, freed.size, cold)
         return cache, cold, info
+
+    def _to_host(self, cache, rows, bounds, last, options, info):
+        """``Retention(host=True)``: every live prompt page but the first ``sink`` and the
+        last ``recent`` (counting the page the decode writes into) goes to a pinned host pool
+        with its bounds, and the rows give it back to the allocator. Returns ``(cache, tier,
+        info)``."""
+        budget, sink, recent, _ = options
+        C = self.page_size
+        table = np.asarray(cache.page_table)
+        M = table.shape[1]
+        j = np.arange(M)[None, :]
+        live = (j < -(-last // C)[:, None]) & (table != paged.NULL_PAGE)
+        evict = live & (j >= sink) & (j <= (last // C)[:, None] - recent)
+        if not evict.any():  # prompts within the sink and recent pages: nothing to move
+            return cache, None, info
+        tier = host_retrieval.move_to_host(cache, bounds, table, evict)
+        freed = [self.allocator.release_pages(seq, np.flatnonzero(evict[b])) for b, seq in enumerate(rows) if evict[b].any()]  # fmt: skip
+        freed = np.concatenate(freed)
+        cache = paged.with_page_table(cache, self.allocator.page_table(rows))
+        measured = self._info(cache, info.prompt_pages, live.sum(1) - evict.sum(1), 0, freed.size, None)  # fmt: skip
+        page = offload.page_nbytes(cache.k_pages, cache.v_pages)
+        tiers = {**measured.tier_bytes, "bounds": bounds.nbytes + tier.bounds.nbytes, "host": tier.num_pages * page}  # fmt: skip
+        info = measured._replace(moved_bytes=tier.moved_bytes, tier_bytes=tiers, budget=info.budget)  # fmt: skip
+        return cache, tier, info
 
     def _info(self, cache, prompt_pages, kept_pages, moved, freed, cold) -> GenerationInfo:
         """A :class:`GenerationInfo` whose tier bytes are measured from the arrays."""

@@ -267,6 +267,12 @@ def test_query_aware_retrieval_from_the_llama_server_on_a_tiny_model():
     assert info.budget == 3
     np.testing.assert_array_equal(info.read_pages[0], [3 * L] * 6)
     np.testing.assert_array_equal(info.live_pages[0], L * -(-(40 + np.arange(6)) // 8))
+    # The host tier on the Llama server: pages 1..3 of the 5 cached in pinned host memory.
+    want = server.generate([prompt], 6, retention=Retention(part, mode="retrieve"), salt="d")
+    got = server.generate([prompt], 6, retention=Retention(part, mode="retrieve", host=True), salt="h")  # fmt: skip
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(server.last_info.read_pages[0], [3 * L] * 6)
+    assert server.last_info.kept_pages[0] == 2 and server.last_info.tier_bytes["host"] > 0
 
 
 def test_generate_command_retrieve_flag_on_a_tiny_model(tmp_path, monkeypatch, capsys):
@@ -290,11 +296,20 @@ def test_generate_command_retrieve_flag_on_a_tiny_model(tmp_path, monkeypatch, c
     every = cli.main([*args, "--retrieve", "1.0"])
     assert every["tokens"] == plain["tokens"] and every["read_fraction"] == 1.0
     assert "read_fraction" not in plain
-    assert cli.main([*args, "--retrieve", "0.3"])["read_fraction"] < 0.5
+    some = cli.main([*args, "--retrieve", "0.3"])
+    assert some["read_fraction"] < 0.5
+    # --host: the same tokens and pages read, the prompt's middle pages fetched from host.
+    host = cli.main([*args, "--retrieve", "0.3", "--host"])
+    assert host["tokens"] == some["tokens"] and host["read_fraction"] == some["read_fraction"]
+    assert host["host_bytes"] > 0 and host["moved_bytes"] > host["host_bytes"]
+    assert "host_bytes" not in some
     capsys.readouterr()
     with pytest.raises(SystemExit):
         cli.main([*args, "--retrieve", "0"])
     assert "--retrieve: expected a fraction" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--host"])
+    assert "--host: expected with --retrieve" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------

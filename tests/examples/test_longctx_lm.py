@@ -619,6 +619,10 @@ def test_retrieve_rejects_bad_combinations():
         generate.Retention(streaming, mode="retrieve", scrub=True)
     with pytest.raises(ValueError, match="per_kv_head"):
         generate.Retention(streaming, mode="drop", per_kv_head=True)
+    with pytest.raises(ValueError, match="host: only for mode='retrieve'"):
+        generate.Retention(streaming, mode="demote", host=True)
+    with pytest.raises(ValueError, match="one selection shared by the heads"):
+        generate.Retention(streaming, mode="retrieve", host=True, per_kv_head=True)
     _, _, server, prompts = _retention_setup()
     wrong = offload.RetentionPolicy("streaming", 0.3, page_size=8, sink=1)
     with pytest.raises(ValueError, match="page_size=4"):
@@ -649,7 +653,89 @@ def test_retrieve_on_quantized_pages_with_every_page_equals_no_retention(kind, r
         np.testing.assert_array_equal(g, w)
     assert server.last_info.budget == 9  # ceil((29 + 4) / 4)
     small = offload.RetentionPolicy("streaming", 0.1, page_size=4, sink=1)
-    server.generate(prompts, 4, retention=generate.Retention(small, mode="retrieve"), salt="small")  # fmt: skip
+    few = server.generate(prompts, 4, retention=generate.Retention(small, mode="retrieve"), salt="small")  # fmt: skip
     budget = 1 + (3 if kind == "kivi2" else 1)  # the sink + the window (or the open page)
     assert server.last_info.budget == budget
     np.testing.assert_array_equal(server.last_info.read_pages[0], [budget * TINY.num_layers] * 4)
+    # The host tier: the same tokens, the pages outside the sink and the window in host.
+    for name, retention, ref in (("small", small, few), ("every", every, want)):
+        got = server.generate(prompts, 4, retention=generate.Retention(retention, mode="retrieve", host=True), salt=f"host-{name}")  # fmt: skip
+        for g, w in zip(got, ref, strict=True):
+            np.testing.assert_array_equal(g, w)
+        assert server.last_info.tier_bytes["host"] > 0
+
+
+def _host_retrieve_pair(policy, prompts_by_call, num_calls_warm=0):
+    """The same calls on two fresh servers: device-only ``mode="retrieve"`` and ``host=True``;
+    returns ``[(device tokens, device info, host tokens, host info)]`` of the last call."""
+    from examples.longctx_lm import generate
+
+    out = []
+    for host in (False, True):
+        model = tiny_model(4)
+        server = generate.Server(model, num_pages=96, page_size=4, max_len=80, batch=3, chunk=8)
+        for prompts in prompts_by_call[:-1]:  # earlier calls fill the prefix cache
+            server.generate(prompts, 2)
+        retention = generate.Retention(policy, mode="retrieve", host=host)
+        out.append((server.generate(prompts_by_call[-1], 5, retention=retention), server.last_info))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.3])
+def test_retrieve_from_host_gives_the_device_selection_and_moves_the_prompt(fraction):
+    """``host=True``: every prompt page but the sink and the written page is in pinned host
+    memory during the decode. With every page in budget the tokens are those of no retention
+    (every host page fetched at every step); with 30% they are the device-only retrieve's
+    (already checked against an independent dense oracle above), with the same pages read
+    per step; the bytes moved are the copy to host plus the fetches, measured."""
+    import offload
+
+    generate, model, server, prompts = _retention_setup()
+    policy = offload.RetentionPolicy("streaming", fraction, page_size=4, sink=1)
+    (dev, dev_info), (got, info) = _host_retrieve_pair(policy, [prompts])
+    for g, w in zip(got, dev, strict=True):
+        np.testing.assert_array_equal(g, w)
+    if fraction == 1.0:
+        for g, w in zip(got, server.generate(prompts, 5), strict=True):
+            np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(info.read_pages, dev_info.read_pages)
+    np.testing.assert_array_equal(info.live_pages, dev_info.live_pages)
+    assert info.budget == dev_info.budget
+    # Prompts of 50 and 37 tokens: 49 and 36 cached, 13 and 9 pages; the sink page and the
+    # page holding the prompt's last token stay (the latter: a new page for row 1, whose 36
+    # cached tokens fill 9 pages).
+    np.testing.assert_array_equal(info.prompt_pages[:2], [13, 9])
+    np.testing.assert_array_equal(info.kept_pages[:2], [2, 1])
+    in_host = 11 + 8
+    page = offload.page_nbytes(server.cache.k_pages, server.cache.v_pages)
+    assert info.tier_bytes["host"] == in_host * page
+    bounds = 2 * 4 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim
+    assert info.tier_bytes["bounds"] == bounds * (server.num_pages + in_host)
+    assert info.moved_bytes > in_host * page  # the copy to host, then the fetches
+    if fraction == 1.0:  # every host page of every layer at every step, plus padding
+        assert info.moved_bytes >= in_host * page * (1 + 5)
+    assert 0 < info.tier_bytes["staging"] < in_host * page
+
+
+def test_retrieve_from_host_with_rows_sharing_cached_pages():
+    """Two rows holding the same prefix-cache pages: each shared page goes to host once, both
+    rows read it from there, and the tokens equal the device-only retrieve on the same calls
+    (prefix sharing combined with a host tier)."""
+    import offload
+
+    batch = data.make_batch(data.TaskConfig("passkey", length=64), 2, seed=4)
+    a, b = list(batch.tokens[0]), list(batch.tokens[1])
+    calls = [[a[:33]], [a[:33] + b[:14], a[:33] + a[40:50]]]
+    policy = offload.RetentionPolicy("streaming", 0.4, page_size=4, sink=1)
+    (dev, dev_info), (got, info) = _host_retrieve_pair(policy, calls)
+    for g, w in zip(got, dev, strict=True):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(info.read_pages, dev_info.read_pages)
+    # Row 0 holds 46 cached tokens (12 pages), row 1 42 (11 pages); slots 0..7 are the 8
+    # prefix-cache pages both hold. Each keeps its sink page and the page it writes into (11
+    # and 10): row 0 moves slots 1..10, row 1 slots 1..9, slots 1..7 the same pages.
+    np.testing.assert_array_equal(info.prompt_pages[:2], [12, 11])
+    np.testing.assert_array_equal(info.kept_pages[:2], [2, 2])
+    layer_shape = (TINY.num_layers, TINY.num_kv_heads, 1, 4, TINY.head_dim)
+    page = offload.page_nbytes(jnp.zeros(layer_shape), jnp.zeros(layer_shape))
+    assert info.tier_bytes["host"] == (10 + 9 - 7) * page
