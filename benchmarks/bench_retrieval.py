@@ -10,7 +10,7 @@ output feeds the next in a model):
 * ``fetch everything``: the 85% host pages of each layer fetched into a staging pool
   (``offload.prefetch_layer`` into two rotated staging pairs), then
   ``offload.mixed_residency_attention`` over device + staged pages (exact);
-* ``retrieval B%``: ``offload.retrieval_decode_attention``: the selection over the key bounds
+* ``retrieval B%``: ``offload.retrieval.retrieval_decode_attention``: the selection over the key bounds
   of both tiers on the device, only the selected host pages fetched, attention over the
   ``budget`` selected pages (B% of the live pages);
 * ``retrieval B%, all on device``: ``paged.retrieval_attention`` over the full device pool
@@ -43,10 +43,9 @@ from offload import (
     mixed_residency_attention,
     page_out,
     prefetch_layer,
-    retrieval_decode_attention,
     wait,
-    with_host_bounds,
 )
+from offload.retrieval import retrieval_decode_attention, with_host_bounds
 from paged import PagedKVCache, PageKeyBounds, page_key_bounds, paged_attention, retrieval_attention
 
 MiB = _common.MiB

@@ -13,9 +13,9 @@ n     pages moved by one call
 
 Pools are ``k_pages, v_pages [L, K, P, C, H]`` (or ``[K, P, C, H]`` per layer); tiers are
 device memory, pinned host memory and disk. Pages demoted to pinned host can stay readable
-per step: their key bounds stay on the device (:func:`with_host_bounds`) and
-:func:`retrieval_decode_attention` fetches only the host pages each query selects
-(Quest-style; ``select_keep(..., mode="retrieve")``). Quantized pools (``paged.QuantizedPages``, int8,
+per step: their key bounds stay on the device and each decode step fetches only the host
+pages its query selects (Quest-style; :mod:`offload.retrieval`, fed by
+``select_keep(..., mode="retrieve")``). Quantized pools (``paged.QuantizedPages``, int8,
 fp8, int4 or kivi2) move through every tier as they are stored: data and scale pages (kivi2:
 and zero-point pages) together, bytes counted for all; a kivi2 pool's residual window (each
 sequence's most recent pages) stays on the device.
@@ -29,11 +29,13 @@ orchestration, not jittable); the policies, attention-mass helpers and
 :func:`mixed_residency_attention` are pure and jittable with their options bound
 (``jax.jit(functools.partial(select_keep, policy=policy))``).
 
-Two public subpackages build on this core and are imported only when asked for
-(``import offload`` imports neither): :mod:`offload.planning` (:func:`plan` and its cost
-model) and :mod:`offload.monitoring` (metrics, alerts, Prometheus text, prompt hygiene). The
-core never imports them; their former top-level names (``offload.plan``,
-``offload.to_prometheus``, ...) raise an ``AttributeError`` that names the new location.
+Three public subpackages build on this core and are imported only when asked for
+(``import offload`` imports none): :mod:`offload.retrieval` (query-aware retrieval from
+pinned host), :mod:`offload.planning` (``plan`` and its cost model) and
+:mod:`offload.monitoring` (metrics, alerts, Prometheus text, prompt hygiene). The core never
+imports them; their former top-level names (``offload.plan``, ``offload.to_prometheus``,
+``offload.retrieval_decode_attention``, ...) raise an ``AttributeError`` that names the new
+location.
 """
 
 from offload._attention_mass import (
@@ -54,13 +56,6 @@ from offload._policies import (
 )
 from offload._policy_reference import select_keep_reference, update_policy_state_reference
 from offload._retention import POLICY_KINDS, RetentionPolicy, budget_units
-from offload._retrieval import (
-    RetrievalDecode,
-    StagedPages,
-    fetch_selected_pages,
-    retrieval_decode_attention,
-    with_host_bounds,
-)
 from offload._shared_pages import keep_shared_pages
 from offload._staging import make_staging_pool, staging_table
 from offload._stats import (
@@ -97,12 +92,6 @@ __all__: list[str] = [
     "mixed_residency_attention",
     "split_residency",
     "staging_table",
-    # query-aware retrieval from pinned host (issue 31)
-    "RetrievalDecode",
-    "StagedPages",
-    "fetch_selected_pages",
-    "retrieval_decode_attention",
-    "with_host_bounds",
     # tiers, host pool, disk, accounting
     "CorruptCacheError",
     "DIRECTIONS",
@@ -162,7 +151,18 @@ _MONITORING = (
     "replay_hit_rate",
     "to_prometheus",
 )
-_MOVED = {name: "planning" for name in _PLANNING} | {name: "monitoring" for name in _MONITORING}
+_RETRIEVAL = (
+    "RetrievalDecode",
+    "StagedPages",
+    "fetch_selected_pages",
+    "retrieval_decode_attention",
+    "with_host_bounds",
+)
+_MOVED = (
+    {name: "planning" for name in _PLANNING}
+    | {name: "monitoring" for name in _MONITORING}
+    | {name: "retrieval" for name in _RETRIEVAL}
+)
 
 
 def __getattr__(name: str):
@@ -173,7 +173,7 @@ def __getattr__(name: str):
             f"offload.{name} moved to offload.{sub}.{name}: "
             f"use `from offload.{sub} import {name}` (see the migration table in CHANGELOG.md)"
         )
-    if name in ("planning", "monitoring"):
+    if name in ("planning", "monitoring", "retrieval"):
         raise AttributeError(
             f"offload.{name} is a subpackage that `import offload` does not import: "
             f"use `import offload.{name}` or `from offload.{name} import ...`"

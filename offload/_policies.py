@@ -83,8 +83,8 @@ keeping row reads. Such a row may keep more units than its budget.
 A pinned request (``pinned[b]``) keeps every live unit. ``mode="demote"`` (default) returns the
 evicted units as ``demote`` for the tier layer; ``mode="drop"`` as ``drop``; ``mode="retrieve"``
 as ``retrieve``: they go to pinned host like demoted units, but keep their key bounds on the
-device (:func:`offload.with_host_bounds`) and stay candidates of every decode step's
-query-aware selection (:func:`offload.retrieval_decode_attention`), instead of being fetched
+device (:func:`offload.retrieval.with_host_bounds`) and stay candidates of every decode step's
+query-aware selection (:func:`offload.retrieval.retrieval_decode_attention`), instead of being fetched
 back wholesale or not at all.
 
 References:

@@ -21,6 +21,7 @@ API_PAGES = {
     "offload": "offload.md",
     "offload.planning": "planning.md",
     "offload.monitoring": "monitoring.md",
+    "offload.retrieval": "retrieval.md",
 }
 CONCEPTS = (
     "semantics",

@@ -159,15 +159,16 @@ def test_no_module_over_450_lines_except_the_listed_debt():
 
 def test_offload_subpackages_are_public_and_not_imported_by_the_core():
     subpackages = sorted(p.parent for p in (ROOT / "offload").glob("*/__init__.py"))
-    assert [p.name for p in subpackages] == ["monitoring", "planning"]
+    assert [p.name for p in subpackages] == ["monitoring", "planning", "retrieval"]
     code = (
         "import sys\n"
         "import offload\n"
-        "loaded = [m for m in ('offload.planning', 'offload.monitoring') if m in sys.modules]\n"
+        "loaded = [m for m in ('offload.planning', 'offload.monitoring', 'offload.retrieval') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
         "assert not hasattr(offload, 'plan') and not hasattr(offload, 'to_prometheus')\n"
-        "import offload.planning, offload.monitoring\n"
+        "import offload.planning, offload.monitoring, offload.retrieval\n"
         "assert offload.planning.plan and offload.monitoring.to_prometheus\n"
+        "assert offload.retrieval.retrieval_decode_attention\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -329,12 +330,12 @@ def test_readme_example_runs_and_prints_its_check(tmp_path):
 def test_import_is_light_and_touches_no_backend():
     code = (
         "import sys\n"
-        "import ringattn, paged, offload, offload.planning, offload.monitoring\n"
+        "import ringattn, paged, offload, offload.planning, offload.monitoring, offload.retrieval\n"
         "heavy = [m for m in ('flax', 'optax', 'orbax', 'tensorstore') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "from jax._src import xla_bridge\n"
         "assert not xla_bridge._backends, 'a JAX backend was initialised at import time'\n"
-        "for pkg in (ringattn, paged, offload, offload.planning, offload.monitoring):\n"
+        "for pkg in (ringattn, paged, offload, offload.planning, offload.monitoring, offload.retrieval):\n"
         "    missing = [n for n in pkg.__all__ if not hasattr(pkg, n)]\n"
         "    assert not missing, (pkg.__name__, missing)\n"
     )

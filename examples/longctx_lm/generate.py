@@ -37,7 +37,7 @@ every layer reads only the ``budget`` pages its own query selects
 being written always read), ``budget`` a static count from the policy's keep fraction.
 With ``host=True`` the prompt's pages leave the device for pinned host memory, all but the
 sink pages and the trailing pages every step reads; their bounds stay on the device, and each
-step fetches only the host pages its query selects (``offload.retrieval_decode_attention``;
+step fetches only the host pages its query selects (``offload.retrieval``;
 see :mod:`examples.longctx_lm.host_retrieval`).
 
 :class:`Server` keeps one allocator and one pool for many calls, so later requests hit the
@@ -319,7 +319,7 @@ class Retention:
       host: ``"retrieve"`` only: the prompt's pages but the sink pages and the trailing
         ``recent`` ones move to pinned host memory and are freed on the device (their key
         bounds stay there); each step fetches only the host pages its query selects
-        (``offload.retrieval_decode_attention``, one selection shared by the heads). The
+        (``offload.retrieval.retrieval_decode_attention``, one selection shared by the heads). The
         tokens are those of ``host=False``; the decode is a Python loop over steps and layers
         (one synchronisation per layer and step). ``GenerationInfo.moved_bytes`` counts the
         copy to host and every fetch.
@@ -356,7 +356,7 @@ class Retention:
         if self.host and self.per_kv_head:
             raise ValueError(
                 "Retention: per_kv_head: the host tier fetches one selection shared by the "
-                "heads (offload.retrieval_decode_attention); drop per_kv_head or host"
+                "heads (offload.retrieval.retrieval_decode_attention); drop per_kv_head or host"
             )
         if self.mode == "retrieve":
             self._check_retrieve()

@@ -3,10 +3,10 @@
 ``Retention(policy, mode="retrieve", host=True)`` frees the device of the prompt: every
 prompt page but the sink pages and the page the decode writes into is copied to pinned host
 memory (``offload.page_out``; a page shared by several rows once) and given back to the
-allocator, while its key bounds stay on the device (``offload.with_host_bounds``). Each
+allocator, while its key bounds stay on the device (``offload.retrieval.with_host_bounds``). Each
 decode step, in every layer, selects the ``budget`` pages its own query can attend to most
 over both tiers, fetches only the selected host pages into a staging pool and attends over
-the selected device and staged pages (``offload.retrieval_decode_attention``: exact over the
+the selected device and staged pages (``offload.retrieval.retrieval_decode_attention``: exact over the
 selection). A budget of every page equals no retention; a smaller one gives the tokens of the
 device-only ``mode="retrieve"`` (the same selection, read from another tier).
 
@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 import offload
+import offload.retrieval
 import paged
 
 
@@ -60,7 +61,7 @@ def move_to_host(cache: paged.PagedKVCache, bounds: paged.PageKeyBounds, table: 
     host = offload.make_host_page_pool(cache.k_pages, cache.v_pages, ids.size)
     handle = offload.page_out(cache.k_pages, cache.v_pages, ids, host, slots)
     host = offload.wait(handle)
-    host_bounds = offload.with_host_bounds(bounds, ids, slots, num_slots=ids.size)
+    host_bounds = offload.retrieval.with_host_bounds(bounds, ids, slots, num_slots=ids.size)
     host_table = np.where(evict, np.searchsorted(ids, table), -1).astype(np.int32)
     return HostTier(host, host_bounds, host_table, int(ids.size), int(handle.nbytes))
 
@@ -135,7 +136,7 @@ def decode(graphdef, state, cache: paged.PagedKVCache, stack, token, prev, steps
         lengths = cache.lengths + 1  # the step's token is written at position lengths
         for layer in range(num_layers):
             q, cache, bounds, k_layer, v_layer, b_layer = _project(graphdef, state, cache, bounds, x, layer)  # fmt: skip
-            res = offload.retrieval_decode_attention(
+            res = offload.retrieval.retrieval_decode_attention(
                 q, k_layer, v_layer, b_layer, cache.page_table, host.pool,
                 host.bounds.layer(layer), host_table, lengths, layer=layer, budget=budget,
                 sink_pages=sink, recent_pages=recent, stats=stats,

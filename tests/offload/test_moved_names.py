@@ -1,6 +1,7 @@
-"""The planner and monitoring names moved out of the ``offload`` core into the public
-subpackages ``offload.planning`` and ``offload.monitoring``: each old name fails with an
-``AttributeError`` that names its new location, and the new location has it."""
+"""The planner, monitoring and retrieval names moved out of the ``offload`` core into the
+public subpackages ``offload.planning``, ``offload.monitoring`` and ``offload.retrieval``: each
+old name fails with an ``AttributeError`` that names its new location, and the new location
+has it."""
 
 import importlib
 
@@ -10,7 +11,10 @@ import offload
 
 # The subpackages' ``__all__`` is the truth; the core keeps a mirror of it (``_MOVED``, it may
 # not import them) for its error messages, checked equal below.
-SUBPACKAGES = {sub: importlib.import_module(f"offload.{sub}") for sub in ("planning", "monitoring")}
+SUBPACKAGES = {
+    sub: importlib.import_module(f"offload.{sub}")
+    for sub in ("planning", "monitoring", "retrieval")
+}
 MOVED = sorted((name, sub) for sub, module in SUBPACKAGES.items() for name in module.__all__)
 
 
@@ -31,15 +35,14 @@ def test_a_moved_name_is_public_in_its_subpackage(name, sub):
 
 def test_the_subpackages_export_exactly_the_moved_names():
     assert offload._MOVED == dict(MOVED)  # the core's mirror of the subpackages' names
-    assert len(MOVED) == 31 and not set(offload.__all__) & set(offload._MOVED)
+    assert len(MOVED) == 36 and not set(offload.__all__) & set(offload._MOVED)
 
 
 def test_the_core_keeps_its_names_and_offload_snapshot():
     # 35 after the split, plus the five serving helpers of issue 29 (shared pages, staging,
-    # measured bytes), plus the five of issue 31 (query-aware retrieval from pinned host:
-    # host bounds, the selected fetch and the decode over both tiers): the core's concerns,
-    # not the subpackages'.
-    assert len(offload.__all__) <= 45
+    # measured bytes): the core's concerns. Query-aware retrieval (issue 31) is its own
+    # subpackage.
+    assert len(offload.__all__) <= 40
     assert "OffloadSnapshot" in offload.__all__  # what OffloadStats.snapshot() returns
     assert offload.OffloadStats().snapshot().__class__ is offload.OffloadSnapshot
 
@@ -51,7 +54,7 @@ def test_an_unknown_name_is_a_plain_attribute_error():
 
 def test_a_subpackage_not_yet_imported_says_how_to_import_it(monkeypatch):
     # Once imported (by this test session) it is an attribute of ``offload``; take it away.
-    for sub in ("planning", "monitoring"):
+    for sub in ("planning", "monitoring", "retrieval"):
         monkeypatch.delattr(offload, sub, raising=False)
         with pytest.raises(AttributeError, match=rf"use `import offload\.{sub}`"):
             getattr(offload, sub)

@@ -1,30 +1,5 @@
-"""Query-aware retrieval from pinned host memory: host pages keep their key bounds on the
-device, and each decode step fetches only the host pages its query selects.
-
-Residency of a layer is two tables over the page-table slots ``[B, M]``: ``device_table``
-(device page ids, 0 = not on the device) and ``host_table`` (slots of a
-:class:`~offload.HostPagePool`, ``-1`` = not in host). The key bounds of every page stay on
-the device wherever its data lives: ``paged.PageKeyBounds`` of the device pool (by device page
-id) and *host bounds* of the host pool (by host slot), written when a page is paged out
-(:func:`with_host_bounds`). One step of one layer (:func:`retrieval_decode_attention`):
-
-1. the selection (``paged.select_pages_by_query``) runs on the device over both tiers at
-   once, as one table over the concatenated bounds (host slot ``s`` is id ``P + s``), and is
-   compacted (``paged.retrieval_table``) into ``budget`` slots in position order;
-2. the host slots it selected come to the host (a ``[B, budget]`` int copy: the step's one
-   synchronisation) and :func:`fetch_selected_pages` copies exactly those pages of the layer
-   into a staging pool sized to them (``offload.prefetch_layer``: asynchronous, one compiled
-   gather; sizes rounded up to a power of two so few shapes compile), counting the bytes in
-   an :class:`~offload.OffloadStats`;
-3. attention reads the selected device pages in place and the staged pages
-   (``offload.mixed_residency_attention`` over the two compacted tables, merged exactly).
-
-With ``budget`` at least the live pages every page is read and the result equals full
-attention (``paged.paged_attention_reference``). The fetch of layer ``l`` needs layer ``l``'s
-query, so it cannot start before layer ``l - 1`` is computed: it overlaps only with the
-selection's own dispatch (ShadowKV and InfiniGen predict with an earlier layer's query to
-overlap further; not done here).
-"""
+"""The decode over two tiers (the package docs say how): host bounds, the selected fetch,
+and the attention over the selected device and staged pages."""
 
 import functools
 import time
@@ -35,12 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, Shaped
 
+from offload import (
+    HostPagePool,
+    OffloadStats,
+    TransferHandle,
+    mixed_residency_attention,
+    prefetch_layer,
+    wait,
+)
 from offload._checks import IdList, check_ids, check_int
-from offload._host_pool import HostPagePool, check_host
-from offload._mixed import mixed_residency_attention
-from offload._stats import OffloadStats
-from offload._tiers import TransferHandle, wait
-from offload._transfers import prefetch_layer
 from paged import (
     PageKeyBounds,
     QuantizedPages,
@@ -119,6 +97,19 @@ def with_host_bounds(
     if src.size != dst.size:
         raise ValueError(f"{fn}: host_slots: expected {src.size} slots (one per page id), got {dst.size}")  # fmt: skip
     return _copy_across(bounds, host_bounds, jnp.asarray(src), jnp.asarray(dst))
+
+
+def check_host(fn: str, pool) -> None:
+    """``pool`` is a :class:`~offload.HostPagePool` whose arrays are in host memory (the
+    transfers check the rest: shapes, formats, no kivi2 residual)."""
+    if not isinstance(pool, HostPagePool):
+        raise ValueError(f"{fn}: host_pool: expected an offload.HostPagePool, got {type(pool).__name__}")  # fmt: skip
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(pool)}
+    if not kinds <= {"pinned_host", "unpinned_host"}:
+        raise ValueError(
+            f"{fn}: host_pool: expected arrays in host memory, got memory kinds {sorted(kinds)} "
+            "(build it with offload.make_host_page_pool)"
+        )
 
 
 @jax.jit

@@ -8,15 +8,8 @@ import numpy as np
 import pytest
 
 import paged
-from offload import (
-    OffloadStats,
-    fetch_selected_pages,
-    make_host_page_pool,
-    page_out,
-    retrieval_decode_attention,
-    wait,
-    with_host_bounds,
-)
+from offload import OffloadStats, make_host_page_pool, page_out, wait
+from offload.retrieval import fetch_selected_pages, retrieval_decode_attention, with_host_bounds
 from tests.paged._retrieval_util import make_cache
 
 N = 4
