@@ -1,6 +1,6 @@
 """Tables and figures from ``bench_ruler``'s JSON lines (``--out FILE.jsonl``).
 
-    python -m benchmarks.ruler_report [--jsonl benchmarks/results/ruler/sweep.jsonl]
+    python -m benchmarks.ruler_report [--jsonl benchmarks/results/ruler/4k/sweep.jsonl]
 
 writes ``ruler.md`` (per task: score per press and ratio removed, with the samples and 95%
 intervals; the quantized formats; page sizes; modes) and ``ruler.png`` (score against the
@@ -16,7 +16,7 @@ import pathlib
 
 import numpy as np
 
-DEFAULT = pathlib.Path(__file__).resolve().parent / "results" / "ruler" / "sweep.jsonl"
+DEFAULT = pathlib.Path(__file__).resolve().parent / "results" / "ruler" / "4k" / "sweep.jsonl"
 
 
 def load(path: pathlib.Path) -> list[dict]:

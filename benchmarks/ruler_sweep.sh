@@ -6,13 +6,14 @@
 #
 #     nohup bash benchmarks/ruler_sweep.sh > ruler_sweep.log 2>&1 &
 #
-# SAMPLES (default 2) and LENGTH (default 4096) may be set in the environment; OUT is the file;
+# SAMPLES (default 2) and LENGTH (default 4096) may be set in the environment; OUT is the file
+# (default benchmarks/results/ruler/4k/sweep.jsonl at 4096 tokens);
 # STAGES (default "1 2 3 4 5 6 7") picks the stages below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/ruler/sweep4k.jsonl}
 N=${SAMPLES:-2}
 LEN=${LENGTH:-4096}
+OUT=${OUT:-benchmarks/results/ruler/$((LEN / 1024))k/sweep.jsonl}
 ALL=none,recency,streaming,h2o,snapkv,tova,scissorhands,pyramidkv,adakv
 RATIOS=0.25,0.5,0.75,0.9
 STAGES=" ${STAGES:-1 2 3 4 5 6 7} "
