@@ -600,6 +600,27 @@ def test_bench_ruler_command_prints_one_json_line(tmp_path):
     assert result["device_bytes"] < result["full_bytes"]
 
 
+@pytest.mark.slow
+def test_needle_rank_report_covers_every_layer_and_head(smollm2, tmp_path):
+    """``benchmarks.ruler_needle_rank`` at 512 tokens: one row per (layer, kv head), ranks
+    within the context's pages, and the counts of retrieving heads never above their number
+    and never falling as the ratio shrinks."""
+    from benchmarks import ruler_needle_rank
+
+    out = tmp_path / "rank.md"
+    got = ruler_needle_rank.main(["--length", "512", "--digits", "2", "--out", str(out)], loaded=smollm2)  # fmt: skip
+    model, _ = smollm2
+    rows = got["rows"]
+    assert [(r[0], r[1]) for r in rows] == [(l, k) for l in range(model.cfg.num_layers) for k in range(model.cfg.num_kv_heads)]  # fmt: skip
+    pages = 512 // 16
+    assert all(0 <= r[2] <= 1 and 0 <= r[3] < pages and 0 <= r[4] < pages for r in rows)
+    counts = [got["retrieving"][r] for r in ruler_needle_rank.RATIOS]
+    assert got["heads"] >= counts[0] >= counts[1] >= counts[2] >= 0
+    assert got["heads"] == sum(r[2] >= ruler_needle_rank.RETRIEVING for r in rows) > 0
+    assert out.read_text().count("\n| ") == len(rows) + 1  # the header and one line per row
+    assert 0 < got["held"]["bound"] <= got["held"]["best"] <= 1  # the best pages hold the most
+
+
 def masked_dense_greedy(model, prompt, forced, steps, keep, page_size):
     """The oracle of a per-(layer, kv head) selection: greedy decoding by recomputing the
     whole sequence, where queries past the prompt cannot see the prompt keys of pages their
