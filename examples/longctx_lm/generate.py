@@ -665,7 +665,7 @@ class Server:
         last ``recent`` (counting the page the decode writes into) goes to a pinned host pool
         with its bounds, and the rows give it back to the allocator. Returns ``(cache, tier,
         info)``."""
-        budget, sink, recent, _ = options
+        _, sink, recent, _ = options
         C = self.page_size
         table = np.asarray(cache.page_table)
         M = table.shape[1]

@@ -54,16 +54,16 @@ def move_to_host(cache: paged.PagedKVCache, bounds: paged.PageKeyBounds, table: 
     """Copies the pages of ``table [B, M]`` where ``evict [B, M]`` (bool) to a new pinned host
     pool, each distinct page once, with their key bounds. The device pages are only read:
     the caller releases them."""
-    ids = np.unique(table[evict])
-    if ids.size == 0 or (ids == paged.NULL_PAGE).any():
-        raise ValueError(f"move_to_host: evict: expected real pages (not the null page), got ids {ids.tolist()}")  # fmt: skip
+    # The distinct pages, each numbered 1..n where evicted (0 elsewhere): slot = number - 1.
+    ids, numbered = offload.staging_table(np.where(evict, table, paged.NULL_PAGE))
+    if ids.size == 0:
+        raise ValueError("move_to_host: evict: expected at least one real page to move, got none")
     slots = np.arange(ids.size, dtype=np.int32)
     host = offload.make_host_page_pool(cache.k_pages, cache.v_pages, ids.size)
     handle = offload.page_out(cache.k_pages, cache.v_pages, ids, host, slots)
     host = offload.wait(handle)
     host_bounds = offload.retrieval.with_host_bounds(bounds, ids, slots, num_slots=ids.size)
-    host_table = np.where(evict, np.searchsorted(ids, table), -1).astype(np.int32)
-    return HostTier(host, host_bounds, host_table, int(ids.size), int(handle.nbytes))
+    return HostTier(host, host_bounds, numbered - 1, int(ids.size), int(handle.nbytes))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -131,6 +131,7 @@ def decode(graphdef, state, cache: paged.PagedKVCache, stack, token, prev, steps
     read = np.zeros((B, steps), np.int32)
     fetched = peak = 0
     host_table = jnp.asarray(host.table)
+    host_bounds = [host.bounds.layer(layer) for layer in range(num_layers)]  # sliced once
     for i in range(steps):
         cache, stack, ok, x = _embed(graphdef, state, cache, stack, token, prev, active)
         lengths = cache.lengths + 1  # the step's token is written at position lengths
@@ -138,7 +139,7 @@ def decode(graphdef, state, cache: paged.PagedKVCache, stack, token, prev, steps
             q, cache, bounds, k_layer, v_layer, b_layer = _project(graphdef, state, cache, bounds, x, layer)  # fmt: skip
             res = offload.retrieval.retrieval_decode_attention(
                 q, k_layer, v_layer, b_layer, cache.page_table, host.pool,
-                host.bounds.layer(layer), host_table, lengths, layer=layer, budget=budget,
+                host_bounds[layer], host_table, lengths, layer=layer, budget=budget,
                 sink_pages=sink, recent_pages=recent, stats=stats,
             )  # fmt: skip
             read[:, i] += np.asarray(res.read_pages)

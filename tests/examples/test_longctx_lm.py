@@ -665,7 +665,7 @@ def test_retrieve_on_quantized_pages_with_every_page_equals_no_retention(kind, r
         assert server.last_info.tier_bytes["host"] > 0
 
 
-def _host_retrieve_pair(policy, prompts_by_call, num_calls_warm=0):
+def _host_retrieve_pair(policy, prompts_by_call):
     """The same calls on two fresh servers: device-only ``mode="retrieve"`` and ``host=True``;
     returns ``[(device tokens, device info, host tokens, host info)]`` of the last call."""
     from examples.longctx_lm import generate
