@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -222,6 +222,7 @@ def test_manager_spill_and_restore_page_split_pool(tmp_path):
         max_size=8,
     )
 )
+@example([("out", "b", [0]), ("out", "b", [0]), ("out", "a", [0]), ("in", "b", [0])])
 @settings(max_examples=10, deadline=None)
 def test_manager_on_page_split_pool_matches_a_model(ops):
     """Random page-outs, page-ins and drops on a page-split pool: per-device slots, data kept."""
@@ -240,10 +241,14 @@ def test_manager_on_page_split_pool_matches_a_model(ops):
             with pytest.raises(ValueError, match=r"expected at most \d+ pages of device block"):
                 manager.page_out(k, v, ids, request_id=request)
         elif op == "in" and request in owned:
-            targets = owned.pop(request)  # back to the same device pages
+            sources = owned.pop(request)
+            if len(set(sources)) < len(sources):  # a device page paged out twice: one target each
+                with pytest.raises(ValueError, match="expected distinct ids"):
+                    manager.page_in(*device, sources, request_id=request)
+            targets = _distinct_in_block(sources, per_page)
             device = manager.wait(manager.page_in(*device, targets, request_id=request))
             np.testing.assert_array_equal(
-                np.asarray(device[0])[..., targets, :, :], np.asarray(k)[..., targets, :, :]
+                np.asarray(device[0])[..., targets, :, :], np.asarray(k)[..., sources, :, :]
             )
         elif op == "drop" and request in owned:
             manager.drop(request)
@@ -254,6 +259,18 @@ def test_manager_on_page_split_pool_matches_a_model(ops):
         held = [s for r in owned for s in manager.host_slots(r)]
         assert len(held) == len(set(held)) and manager.free_slots + len(held) == SLOTS
     manager.poll()
+
+
+def _distinct_in_block(pages, per_page):
+    """Distinct device pages, each in the block of its source page (itself where it is free)."""
+    taken: set[int] = set()
+    targets = []
+    for page in pages:
+        block = range(page // per_page * per_page, (page // per_page + 1) * per_page)
+        target = page if page not in taken else next(p for p in block if p not in taken)
+        taken.add(target)
+        targets.append(target)
+    return targets
 
 
 def manager_free(manager):
