@@ -33,7 +33,8 @@ def fold_vmap(fn, in_axes=None, out_axes=None):
     """``fn(*args)`` (pytrees of arrays, each with the batch ``B`` as axis 0, returning such a
     pytree), vmapped by running ``fn`` once on ``[V * B, ...]`` arrays.
 
-    ``in_axes`` (one int per positional argument, for all its leaves) and ``out_axes`` (one int
+    ``in_axes`` (one int per positional argument, for all its leaves, or a tuple of them for a
+    tuple argument) and ``out_axes`` (one int
     per element of the returned tuple) name where ``B`` is when it is not axis 0, as in the
     block-major ``[n, B, ...]`` layouts a kernel is handed once per call.
     """
@@ -42,10 +43,13 @@ def fold_vmap(fn, in_axes=None, out_axes=None):
     @wrapped.def_vmap
     def rule(axis_size, in_batched, *args):
         axes = (0,) * len(args) if in_axes is None else in_axes
-        folded = tuple(
-            jax.tree.map(lambda x, b, a=a: _fold(x, b, axis_size, a), arg, batched)
-            for arg, batched, a in zip(args, in_batched, axes, strict=True)
-        )
+
+        def fold(arg, batched, a):
+            if isinstance(a, tuple):  # a tuple argument, one axis per element
+                return tuple(fold(*xs) for xs in zip(arg, batched, a, strict=True))
+            return jax.tree.map(lambda x, b: _fold(x, b, axis_size, a), arg, batched)
+
+        folded = tuple(fold(*xs) for xs in zip(args, in_batched, axes, strict=True))
         out = fn(*folded)
         if out_axes is None:
             out = jax.tree.map(lambda y: _unfold(y, axis_size, 0), out)

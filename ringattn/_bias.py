@@ -14,14 +14,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ringattn._blocks import pad_axis
+from ringattn._blocks import MaskIds, pad_axis
 from ringattn._checks import describe, fail
 from ringattn._heads_major import (
     attention_delta,
     kv_from_heads_major,
     kv_to_heads_major,
     make_kernel_config,
-    pad_ids,
     q_from_heads_major,
     q_to_groups,
     q_to_heads_major,
@@ -72,19 +71,12 @@ def term_from_heads_major(x, shape):
     return x[:, :, :, :Tb, :Sb].reshape(shape)
 
 
-def _terms(bias, allowed, K, Tp, Sp) -> LogitTerms:
-    return LogitTerms(
-        *(None if x is None else term_to_heads_major(x, K, Tp, Sp) for x in (bias, allowed))
-    )
+def _terms(terms: LogitTerms, K, Tp, Sp) -> LogitTerms:
+    return LogitTerms(*(None if x is None else term_to_heads_major(x, K, Tp, Sp) for x in terms))
 
 
-def _pad_ids(ids, Tp: int, Sp: int):
-    q_pos, kv_pos, q_seg, kv_seg = ids
-    return pad_ids(q_pos, Tp), pad_ids(kv_pos, Sp), pad_ids(q_seg, Tp), pad_ids(kv_seg, Sp)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attention(q, k, v, ids, windows, bias, allowed, spec, block_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, ids: MaskIds, terms: LogitTerms, spec, block_sizes):
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(spec, H, T, S, *block_sizes.forward)
@@ -92,57 +84,54 @@ def _attention(q, k, v, ids, windows, bias, allowed, spec, block_sizes):
         q_to_groups(q, K, Tp),
         kv_to_heads_major(k, Sp),
         kv_to_heads_major(v, Sp),
-        _pad_ids(ids, Tp, Sp),
-        windows,
-        _terms(bias, allowed, K, Tp, Sp),
+        ids.padded(Tp, Sp),
+        _terms(terms, K, Tp, Sp),
         cfg,
     )
     return q_from_heads_major(out, T).astype(q.dtype), q_from_heads_major(lse, T)
 
 
-def _attention_fwd(q, k, v, ids, windows, bias, allowed, spec, block_sizes):
-    out, lse = _attention(q, k, v, ids, windows, bias, allowed, spec, block_sizes)
-    return (out, lse), (q, k, v, ids, windows, bias, allowed, out, lse)
+def _attention_fwd(q, k, v, ids, terms, spec, block_sizes):
+    out, lse = _attention(q, k, v, ids, terms, spec, block_sizes)
+    return (out, lse), (q, k, v, ids, terms, out, lse)
 
 
 def _attention_bwd(spec, block_sizes, residuals, cotangents):
-    q, k, v, ids, windows, bias, allowed, out, lse = residuals
+    q, k, v, ids, terms, out, lse = residuals
     dout, dlse = cotangents
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(spec, H, T, S, *block_sizes.backward)
+    delta = attention_delta(out, dout, dlse)
     dq, dk, dv, dbias = biased_backward_heads_major(
         q_to_groups(q, K, Tp),
         kv_to_heads_major(k, Sp),
         kv_to_heads_major(v, Sp),
-        _pad_ids(ids, Tp, Sp),
-        windows,
-        _terms(bias, allowed, K, Tp, Sp),
-        q_to_heads_major(lse, K, Tp),
-        q_to_groups(dout, K, Tp),
-        q_to_heads_major(attention_delta(out, dout, dlse), K, Tp),
+        ids.padded(Tp, Sp),
+        _terms(terms, K, Tp, Sp),
+        (q_to_heads_major(lse, K, Tp), q_to_groups(dout, K, Tp), q_to_heads_major(delta, K, Tp)),
         cfg,
     )
     if dbias is not None:
-        dbias = term_from_heads_major(dbias, bias.shape).astype(bias.dtype)
+        dbias = term_from_heads_major(dbias, terms.bias.shape).astype(terms.bias.dtype)
     dq = q_from_heads_major(dq, T).astype(q.dtype)
     dk = kv_from_heads_major(dk, S).astype(k.dtype)
     dv = kv_from_heads_major(dv, S).astype(v.dtype)
-    return dq, dk, dv, None, None, dbias, None
+    return dq, dk, dv, None, LogitTerms(dbias, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def biased_attention(
-    q, k, v, ids, windows, bias, allowed, spec: MaskSpec, block_sizes
+    q, k, v, ids: MaskIds, terms: LogitTerms, spec: MaskSpec, block_sizes
 ) -> tuple[jax.Array, jax.Array]:
     """``(out [B, T, N, H] in q.dtype, lse [B, T, N] float32)`` on validated inputs.
 
-    ``ids = (q_pos [B, T], kv_pos [B, S], q_seg or None, kv_seg or None)`` int32;
-    ``windows``: the ``[B, K, G]`` per-head window table or None; ``bias`` (float) and
-    ``allowed`` (bool): ``[B or 1, N or 1, T or 1, S or 1]`` or None, checked by
+    ``ids``: :class:`ringattn._blocks.MaskIds` ``[B, T]`` / ``[B, S]`` int32, ``windows``
+    the ``[B, K, G]`` per-head window table or None; ``terms``: :class:`LogitTerms` ``(bias
+    (float), allowed (bool))``, each ``[B or 1, N or 1, T or 1, S or 1]`` or None, checked by
     :func:`check_logit_term`; ``block_sizes``: a :class:`ringattn.BlockSizes`. Gradients
     reach ``q``, ``k``, ``v`` and ``bias`` (reverse mode only: a ``custom_vjp``).
     """
-    return _attention(q, k, v, ids, windows, bias, allowed, spec, block_sizes)
+    return _attention(q, k, v, ids, terms, spec, block_sizes)

@@ -17,6 +17,7 @@ before any product, so NaN or inf stored there reaches neither outputs nor gradi
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,46 @@ class KernelConfig:
     block_q: int
     block_kv: int
     kv_len: int  # valid keys; keys at index >= kv_len are padding
+
+
+class MaskIds(NamedTuple):
+    """The per-token arrays a mask reads, travelling as one pytree through the kernels.
+
+    Attributes:
+      q_pos: ``[B, T]`` int32 query positions.
+      kv_pos: ``[B, S]`` int32 key positions.
+      q_seg: ``[B, T]`` int32 query segment ids, or None (no segments).
+      kv_seg: ``[B, S]`` int32 key segment ids (None exactly when ``q_seg`` is).
+      windows: per-query-head windows (``0``: none), or None (the mask's one window). The
+        kernels take the ``[B, K, G]`` int32 table (:func:`window_table`); the strategies
+        and :func:`ringattn._blockwise.local_attention` the ``[N]`` windows of their heads.
+    """
+
+    q_pos: jax.Array
+    kv_pos: jax.Array
+    q_seg: jax.Array | None = None
+    kv_seg: jax.Array | None = None
+    windows: jax.Array | None = None
+
+    def padded(self, Tp: int, Sp: int) -> "MaskIds":
+        """Ids edge-padded to ``Tp`` queries and ``Sp`` keys (padding never widens a block)."""
+        pad = lambda x, n: None if x is None else pad_axis(x, 1, n, mode="edge")
+        return self._replace(
+            q_pos=pad(self.q_pos, Tp),
+            kv_pos=pad(self.kv_pos, Sp),
+            q_seg=pad(self.q_seg, Tp),
+            kv_seg=pad(self.kv_seg, Sp),
+        )
+
+    def block(self, q_start, block_q: int, kv_start, block_kv: int) -> "MaskIds":
+        """The ids of one block pair: queries ``[q_start, +block_q)``, keys ``[kv_start, +block_kv)``."""
+        cut = lambda x, start, n: None if x is None else dslice(x, start, n, 1)
+        return self._replace(
+            q_pos=cut(self.q_pos, q_start, block_q),
+            kv_pos=cut(self.kv_pos, kv_start, block_kv),
+            q_seg=cut(self.q_seg, q_start, block_q),
+            kv_seg=cut(self.kv_seg, kv_start, block_kv),
+        )
 
 
 def round_up(x: int, m: int) -> int:
@@ -106,10 +147,12 @@ def window_table(windows, B: int, K: int):
 class Summaries:
     """Per-block ranges of positions (and segment ids) used to classify block pairs.
 
-    ``windows``: the ``[B, K, G]`` per-head window table, or None (``cfg.mask``'s window).
+    ``ids``: :class:`MaskIds` (``windows`` the ``[B, K, G]`` per-head table, or None:
+    ``cfg.mask``'s window); ``dense``: the mask's :class:`ringattn.DenseMask`, or None.
     """
 
-    def __init__(self, q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv, windows, dense):
+    def __init__(self, ids: MaskIds, block_q: int, block_kv: int, dense):
+        q_pos, kv_pos, q_seg, kv_seg, windows = ids
         self.q_pos = _block_ranges(q_pos, block_q)
         self.kv_pos = _block_ranges(kv_pos, block_kv)
         self.segments = q_seg is not None
@@ -217,30 +260,30 @@ def visit_orders(kinds):
     return jax.vmap(visit_order)(kinds)
 
 
-def block_mask(cfg: KernelConfig, summ, windows, q_pos, kv_pos, q_seg, kv_seg, q_start, kv_start):
+def block_mask(cfg: KernelConfig, summ: Summaries, ids: MaskIds, q_start, kv_start):
     """Visibility of one block pair, broadcastable to the logits ``[B, K, G, bq, bk]``.
 
-    ``[B, 1, 1, bq, bk]``, or ``[B, K, G, bq, bk]`` with the per-head window table
-    ``windows [B, K, G]``; padding keys (index ``>= kv_len``) are hidden; the block of the
-    dense mask (``summ.dense``) is ANDed in.
+    ``ids`` are the pair's own (:meth:`MaskIds.block`; ``windows`` the ``[B, K, G]`` table or
+    None). ``[B, 1, 1, bq, bk]``, or ``[B, K, G, bq, bk]`` with a window table; padding keys
+    (index ``>= kv_len``) are hidden; the block of the dense mask (``summ.dense``) is ANDed in.
     """
-    qp = q_pos[:, :, None]
-    kp = kv_pos[:, None, :]
+    qp = ids.q_pos[:, :, None]
+    kp = ids.kv_pos[:, None, :]
     col = kv_start + lax.broadcasted_iota(jnp.int32, (1, 1, kp.shape[-1]), 2)
     mask = jnp.broadcast_to(col < cfg.kv_len, (qp.shape[0], qp.shape[1], kp.shape[-1]))
     spec = cfg.mask
     if spec.causal:
         mask &= kp <= qp
-    if q_seg is not None:
-        mask &= q_seg[:, :, None] == kv_seg[:, None, :]
+    if ids.q_seg is not None:
+        mask &= ids.q_seg[:, :, None] == ids.kv_seg[:, None, :]
     if summ.dense is not None:
         bq, bk = qp.shape[1], kp.shape[-1]
         mask &= lax.dynamic_slice(summ.dense, (q_start, kv_start), (bq, bk))[None]
-    if windows is None:
+    if ids.windows is None:
         if spec.uniform_window is not None:
             mask &= kp > qp - spec.uniform_window
         return mask[:, None, None]
-    w = windows[:, :, :, None, None]
+    w = ids.windows[:, :, :, None, None]
     in_window = (w == 0) | (kp[:, None, None] > qp[:, None, None] - w)
     return mask[:, None, None] & in_window
 

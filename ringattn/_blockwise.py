@@ -25,9 +25,10 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from ringattn._bias import biased_attention, check_logit_term
-from ringattn._blocks import window_table
+from ringattn._blocks import MaskIds, window_table
 from ringattn._checks import FloatLike, IntLike, check_int, describe, fail, fold_traced_scale
 from ringattn._heads_major import attention_backward, attention_delta, attention_forward
+from ringattn._kernels_bias import LogitTerms
 from ringattn._mosaic_blocks import mosaic_blocks
 from ringattn._online_softmax import AttentionOutput, apply_sinks
 from ringattn._options import MaskSpec, Positions, SegmentIds, arange_positions, prepare
@@ -93,40 +94,25 @@ def empty_attention(q, k, v) -> AttentionOutput:
     return AttentionOutput(out, lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes):
-    out, lse = attention_forward(
-        q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask=mask, blocks=block_sizes.forward
-    )
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, ids: MaskIds, mask: MaskSpec, block_sizes: BlockSizes):
+    out, lse = attention_forward(q, k, v, ids, mask=mask, blocks=block_sizes.forward)
     return out.astype(q.dtype), lse
 
 
-def _attention_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes):
-    out, lse = _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse)
+def _attention_fwd(q, k, v, ids, mask, block_sizes):
+    out, lse = _attention(q, k, v, ids, mask, block_sizes)
+    return (out, lse), (q, k, v, ids, out, lse)
 
 
 def _attention_bwd(mask, block_sizes, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse = residuals
+    q, k, v, ids, out, lse = residuals
     dout, dlse = cotangents
     delta = attention_delta(out, dout, dlse)
     dq, dk, dv = attention_backward(
-        q,
-        k,
-        v,
-        q_pos,
-        kv_pos,
-        q_seg,
-        kv_seg,
-        windows,
-        lse,
-        dout,
-        delta,
-        mask=mask,
-        blocks=block_sizes.backward,
+        q, k, v, ids, (lse, dout, delta), mask=mask, blocks=block_sizes.backward
     )
-    ints = (None,) * 5
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -139,27 +125,32 @@ def head_windows(spec: MaskSpec, num_heads: int):
     return np.asarray([0 if w is None else w for w in spec.windows(num_heads)], np.int32)
 
 
-def local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, spec, block_sizes):
+def with_window_table(ids: MaskIds, B: int, K: int) -> MaskIds:
+    """``ids`` with its ``[N]`` per-head windows (or None) as the kernels' ``[B, K, G]`` table."""
+    if ids.windows is None:
+        return ids
+    return ids._replace(windows=window_table(ids.windows, B, K))
+
+
+def local_attention(q, k, v, ids: MaskIds, spec: MaskSpec, block_sizes: BlockSizes):
     """Blockwise ``(out, lse)`` on validated inputs (positions filled in).
 
-    ``windows``: ``[N]`` per-head windows of THESE query heads (traced or numpy), or None.
+    ``ids.windows``: ``[N]`` per-head windows of THESE query heads (traced or numpy), or None.
     Used by :func:`blockwise_attention` and by the strategies of ``sharded_attention``,
     which slice the windows of their local heads.
     """
-    B, _, N, _ = q.shape
-    table = None if windows is None else window_table(windows, B, k.shape[2])
-    return _attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, spec, block_sizes)
+    ids = with_window_table(ids, q.shape[0], k.shape[2])
+    return _attention(q, k, v, ids, spec, block_sizes)
 
 
-@functools.partial(jax.jit, static_argnums=(10, 11))
-def _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, bias, allowed, mask, block_sizes):
-    windows = head_windows(mask, q.shape[2])
-    if bias is None and allowed is None:
-        args = (q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, mask, block_sizes)
-        return apply_sinks(*local_attention(*args), sinks)
-    table = None if windows is None else window_table(windows, q.shape[0], k.shape[2])
-    ids = (q_pos, kv_pos, q_seg, kv_seg)
-    out, lse = biased_attention(q, k, v, ids, table, bias, allowed, mask, block_sizes)
+@functools.partial(jax.jit, static_argnums=(6,))
+def _blockwise(q, k, v, ids: MaskIds, sinks, terms: LogitTerms, static):
+    mask, block_sizes = static
+    ids = ids._replace(windows=head_windows(mask, q.shape[2]))
+    if terms.bias is None and terms.allowed is None:
+        return apply_sinks(*local_attention(q, k, v, ids, mask, block_sizes), sinks)
+    ids = with_window_table(ids, q.shape[0], k.shape[2])
+    out, lse = biased_attention(q, k, v, ids, terms, mask, block_sizes)
     return apply_sinks(out, lse, sinks)
 
 
@@ -231,11 +222,12 @@ def make_pallas_config(spec: MaskSpec, block_sizes, G: int, T: int, S: int, H: i
     return PallasConfig(spec, spec.scale_for(H), *fwd, *bwd, interpret=interpret, target=target)
 
 
-@functools.partial(jax.jit, static_argnums=(8, 9))
-def _blockwise_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, mask, cfg):
-    windows = head_windows(mask, q.shape[2])
-    table = None if windows is None else window_table(windows, q.shape[0], k.shape[2])
-    args = (q, k, v, q_pos, kv_pos, q_seg, kv_seg, table)
+@functools.partial(jax.jit, static_argnums=(5,))
+def _blockwise_pallas(q, k, v, ids: MaskIds, sinks, cfg: PallasConfig):
+    ids = with_window_table(
+        ids._replace(windows=head_windows(cfg.mask, q.shape[2])), *q.shape[:1], k.shape[2]
+    )
+    args = (q, k, v, ids)
     axes = varying_axes(*args)
     if axes:  # inside shard_map(check_vma=True): every operand varies like the outputs
         args = cast_varying(args, axes)
@@ -389,15 +381,18 @@ def blockwise_attention(
         kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv
         q_seg, kv_seg = (None, None) if seg is None else seg
         cfg = make_pallas_config(spec, given_blocks, N // K, T, S, H, jax.default_backend())
-        return _blockwise_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, spec, cfg)
-    return run_xla(q, k, v, (seg, pos, sinks), (bias, None), spec, block_sizes)
+        return _blockwise_pallas(q, k, v, MaskIds(q_pos, kv_pos, q_seg, kv_seg), sinks, cfg)
+    return run_xla(q, k, v, (seg, pos, sinks), LogitTerms(bias, None), spec, block_sizes)
 
 
-def run_xla(q, k, v, ids, terms, spec: MaskSpec, block_sizes: BlockSizes) -> AttentionOutput:
+def run_xla(
+    q, k, v, ids, terms: LogitTerms, spec: MaskSpec, block_sizes: BlockSizes
+) -> AttentionOutput:
     """The XLA blockwise path on validated inputs (``prepare`` and the term checks done).
 
-    ``ids = (SegmentIds or None, Positions, sinks or None)``; ``terms = (bias, allowed)``,
-    each ``[B or 1, N or 1, T or 1, S or 1]`` or None (:mod:`ringattn._bias`).
+    ``ids = (SegmentIds or None, Positions, sinks or None)``; ``terms``: :class:`LogitTerms`
+    ``(bias, allowed)``, each ``[B or 1, N or 1, T or 1, S or 1]`` or None
+    (:mod:`ringattn._bias`).
     """
     seg, pos, sinks = ids
     (B, T, _, _), S = q.shape, k.shape[1]
@@ -406,4 +401,5 @@ def run_xla(q, k, v, ids, terms, spec: MaskSpec, block_sizes: BlockSizes) -> Att
     q_pos = arange_positions(B, T) if pos.q is None else pos.q
     kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv
     q_seg, kv_seg = (None, None) if seg is None else seg
-    return _blockwise(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sinks, *terms, spec, block_sizes)
+    ids = MaskIds(q_pos, kv_pos, q_seg, kv_seg)
+    return _blockwise(q, k, v, ids, sinks, LogitTerms(*terms), (spec, block_sizes))

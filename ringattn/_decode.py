@@ -19,6 +19,7 @@ References:
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -216,8 +217,21 @@ def decode_attention_per_shard(
     return apply_sinks(out, lse, sinks)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "seq_axis", "batch_axis", "mask"))
-def _sharded_decode(q, k, v, lengths, q_pos, kv_pos, sinks, *, mesh, seq_axis, batch_axis, mask):
+class _DecodeMesh(NamedTuple):
+    """Where and how :func:`sharded_decode_attention` runs (static)."""
+
+    mesh: jax.sharding.Mesh
+    seq_axis: str
+    batch_axis: str | None
+    mask: MaskSpec
+
+
+@functools.partial(jax.jit, static_argnums=(6,))
+def _sharded_decode(q, k, v, lengths, positions: Positions, sinks, where: _DecodeMesh):
+    """``positions.kv`` given; ``positions.q`` None only with ``lengths [B]``, which then put
+    the queries at the end of each row's valid cache."""
+    mesh, seq_axis, batch_axis, mask = where
+    q_pos, kv_pos = positions
     S = k.shape[1]
     n = mesh.shape[seq_axis]
     chunk = S // n
@@ -347,16 +361,5 @@ def sharded_decode_attention(
         q_pos = arange_positions(B, T, S - T)
     if kv_pos is None:
         kv_pos = arange_positions(B, S)
-    return _sharded_decode(
-        q,
-        k,
-        v,
-        lengths,
-        q_pos,
-        kv_pos,
-        sinks,
-        mesh=mesh,
-        seq_axis=seq_axis,
-        batch_axis=batch_axis,
-        mask=spec,
-    )
+    where = _DecodeMesh(mesh, seq_axis, batch_axis, spec)
+    return _sharded_decode(q, k, v, lengths, Positions(q_pos, kv_pos), sinks, where)

@@ -9,7 +9,7 @@ the blockwise custom VJP and the ring's local hop are built from them.
 
 import jax.numpy as jnp
 
-from ringattn._blocks import KernelConfig, pad_axis, round_up
+from ringattn._blocks import KernelConfig, MaskIds, pad_axis, round_up
 from ringattn._kernels_backward import backward_heads_major
 from ringattn._kernels_forward import forward_heads_major
 from ringattn._options import MaskSpec
@@ -58,11 +58,11 @@ def make_kernel_config(
     return cfg, round_up(T, bq), round_up(S, bk)
 
 
-def attention_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, *, mask: MaskSpec, blocks):
+def attention_forward(q, k, v, ids: MaskIds, *, mask: MaskSpec, blocks):
     """Canonical-layout forward: ``(out [B, T, N, H] float32, lse [B, T, N] float32)``.
 
-    ``windows`` is the ``[B, K, G]`` per-head window table or None; ``blocks`` is
-    ``(block_q, block_kv)``.
+    ``ids``: :class:`ringattn._blocks.MaskIds` ``[B, T]`` / ``[B, S]``, ``windows`` the
+    ``[B, K, G]`` per-head window table or None; ``blocks`` is ``(block_q, block_kv)``.
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -71,11 +71,7 @@ def attention_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, *, mask: M
         q_to_groups(q, K, Tp),
         kv_to_heads_major(k, Sp),
         kv_to_heads_major(v, Sp),
-        pad_ids(q_pos, Tp),
-        pad_ids(kv_pos, Sp),
-        pad_ids(q_seg, Tp),
-        pad_ids(kv_seg, Sp),
-        windows,
+        ids.padded(Tp, Sp),
         cfg,
     )
     return q_from_heads_major(out, T), q_from_heads_major(lse, T)
@@ -87,15 +83,15 @@ def attention_delta(out, dout, dlse):
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-def attention_backward(
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, *, mask: MaskSpec, blocks
-):
+def attention_backward(q, k, v, ids: MaskIds, cotangents, *, mask: MaskSpec, blocks):
     """Canonical-layout backward for one key set: float32 ``(dq, dk, dv)``.
 
-    ``lse [B, T, N]`` and ``delta [B, T, N]`` describe the complete attention (all key sets)
-    whose output the cotangent ``dout [B, T, N, H]`` is for; ``blocks`` is the backward's
-    ``(block_q, block_kv)``.
+    ``cotangents = (lse, dout, delta)``: ``lse [B, T, N]`` and ``delta [B, T, N]`` describe
+    the complete attention (all key sets) whose output the cotangent ``dout [B, T, N, H]`` is
+    for; ``ids`` as in :func:`attention_forward`; ``blocks`` is the backward's ``(block_q,
+    block_kv)``.
     """
+    lse, dout, delta = cotangents
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(mask, H, T, S, *blocks)
@@ -103,14 +99,8 @@ def attention_backward(
         q_to_groups(q, K, Tp),
         kv_to_heads_major(k, Sp),
         kv_to_heads_major(v, Sp),
-        pad_ids(q_pos, Tp),
-        pad_ids(kv_pos, Sp),
-        pad_ids(q_seg, Tp),
-        pad_ids(kv_seg, Sp),
-        windows,
-        q_to_heads_major(lse, K, Tp),
-        q_to_groups(dout, K, Tp),
-        q_to_heads_major(delta, K, Tp),
+        ids.padded(Tp, Sp),
+        (q_to_heads_major(lse, K, Tp), q_to_groups(dout, K, Tp), q_to_heads_major(delta, K, Tp)),
         cfg,
     )
     return q_from_heads_major(dq, T), kv_from_heads_major(dk, S), kv_from_heads_major(dv, S)

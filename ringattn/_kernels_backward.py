@@ -31,6 +31,7 @@ from jax import lax
 from ringattn._batching import fold_vmap
 from ringattn._blocks import (
     KernelConfig,
+    MaskIds,
     Summaries,
     block_mask,
     cap_logits,
@@ -77,20 +78,16 @@ def dq_from_blocks(dq_t, G: int):
     return dq_t.reshape(nq, B, K, H, G, bq).transpose(1, 2, 4, 0, 5, 3).reshape(B, K, G, nq * bq, H)
 
 
-def update_backward_blocks(
-    dq_t, dkv, qb: QueryBlocks, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
-):
+def update_backward_blocks(grads, qb: QueryBlocks, kh, vh, ids: MaskIds, cfg: KernelConfig):
     """:func:`_update_backward`, with ``vmap`` folded into the batch axis.
 
-    ``dq_t [nq, B, K, H, G * bq]`` and ``qb`` (:func:`query_blocks`) are block-major, laid
-    out once for all key sets: a ring keeps them so over all its hops.
+    ``grads = (dq_t [nq, B, K, H, G * bq], dkv)``: ``dq_t`` and ``qb`` (:func:`query_blocks`)
+    are block-major, laid out once for all key sets: a ring keeps them so over all its hops.
     """
     kernel = fold_vmap(
-        functools.partial(_update_backward, cfg=cfg),
-        in_axes=(1, 0, 1, 0, 0, 0, 0, 0, 0, 0),
-        out_axes=(1, 0),
+        functools.partial(_update_backward, cfg=cfg), in_axes=((1, 0), 1, 0, 0, 0), out_axes=(1, 0)
     )
-    return kernel(dq_t, dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
+    return kernel(grads, qb, kh, vh, ids)
 
 
 def recompute_logits(q_blk, k_blk_t, G: int):
@@ -118,33 +115,32 @@ def _stat_blocks(x, bq: int):
     return x[:, :, :, None]
 
 
-def _update_backward(
-    dq_t, dkv, qb: QueryBlocks, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
-):
+def _update_backward(grads, qb: QueryBlocks, kh, vh, ids: MaskIds, cfg: KernelConfig):
     """Adds one key set's blockwise gradients to float32 accumulators, in place.
 
     Args:
-      dq_t: ``[nq, B, K, H, G * bq]`` float32 accumulator of the query gradient, transposed
-        and block-major (:func:`dq_from_blocks` turns it into ``dq``).
-      dkv: ``[B, K, Sp, 2H]`` float32 accumulator of ``concat([dk, dv], -1)`` for this key set.
+      grads: ``(dq_t, dkv)``: ``dq_t [nq, B, K, H, G * bq]`` float32 accumulator of the query
+        gradient, transposed and block-major (:func:`dq_from_blocks` turns it into ``dq``);
+        ``dkv [B, K, Sp, 2H]`` float32 accumulator of ``concat([dk, dv], -1)`` for this key
+        set.
       qb: the query side (:func:`query_blocks`): queries, output cotangent ``dout``, the
         log-sum-exp of the *complete* attention the gradient is for (for a ring hop, the
         global one; probabilities are ``exp(s - lse)``) and ``delta = sum(dout * out, -1) -
         dlse``.
-      kh, vh, positions, segments, windows: as in
-        :func:`ringattn._kernels_forward.update_forward_heads_major`.
+      kh, vh, ids: as in :func:`ringattn._kernels_forward.update_forward_heads_major`.
 
     Returns:
       ``(dq_t, dkv)`` with this key set's contributions added.
     """
+    dq_t, dkv = grads
     nq, B, K, H, R = dq_t.shape
     G = qb.lse.shape[4]
     Sp = kh.shape[2]
     bq, bk = cfg.block_q, cfg.block_kv
     nk = Sp // bk
-    summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk, windows, cfg.mask.dense)
+    summ = Summaries(ids, bq, bk, cfg.mask.dense)
     kinds = summ.kinds(cfg, nq, nk)  # [nq, nk]
-    axes = varying_axes(dq_t, dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
+    axes = varying_axes(dq_t, dkv, qb, kh, vh, ids)
     softcap = cfg.mask.softcap
     q_rows, do_rows, do_cols, lse_b, delta_b = qb
 
@@ -159,17 +155,13 @@ def _update_backward(
         dq_t, dkv = carry
         k_all = dslice(kh, j * bk, bk, 2)  # [B, K, bk, H]
         v_all = dslice(vh, j * bk, bk, 2)
-        kp = dslice(kv_pos, j * bk, bk, 1)
-        ks = None if kv_seg is None else dslice(kv_seg, j * bk, bk, 1)
         k_all_t = k_cols[j]  # [B, K, H, bk]
         dkv_blk = dslice(dkv, j * bk, bk, 2)  # [B, K, bk, 2H]
 
         def visit(i, dq_blk, dk, dv, masked: bool):
             k_blk, v_blk, k_blk_t = k_all, v_all, k_all_t
             if masked:
-                qp = dslice(q_pos, i * bq, bq, 1)
-                qs = None if q_seg is None else dslice(q_seg, i * bq, bq, 1)
-                mask = block_mask(cfg, summ, windows, qp, kp, qs, ks, i * bq, j * bk)
+                mask = block_mask(cfg, summ, ids.block(i * bq, bq, j * bk, bk), i * bq, j * bk)
                 seen = visible_keys(mask)  # [B, 1, bk, 1]
                 k_blk, v_blk = jnp.where(seen, k_blk, 0), jnp.where(seen, v_blk, 0)
                 k_blk_t = jnp.where(jnp.swapaxes(seen, 2, 3), k_blk_t, 0)
@@ -206,10 +198,11 @@ def _update_backward(
     return lax.fori_loop(0, nk, kv_block, cast_varying((dq_t, dkv), axes))
 
 
-def backward_heads_major(
-    qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, lse, dout, delta, cfg: KernelConfig
-):
+def backward_heads_major(qg, kh, vh, ids: MaskIds, cotangents, cfg: KernelConfig):
     """Blockwise backward on padded arrays (row-major queries, heads-major the rest).
+
+    ``cotangents = (lse, dout, delta)``: ``lse, delta [B, K, G, Tp]`` float32 and ``dout
+    [B, Tp, K, G, H]`` (:func:`query_blocks`).
 
     Returns:
       ``dq [B, K, G, Tp, H]``, ``dk, dv [B, K, Sp, H]``, all float32, for the key set given.
@@ -219,8 +212,7 @@ def backward_heads_major(
     bq = cfg.block_q
     dq_t = jnp.zeros((Tp // bq, B, K, H, G * bq), jnp.float32)
     dkv = jnp.zeros((B, K, Sp, 2 * H), jnp.float32)
+    lse, dout, delta = cotangents
     qb = query_blocks(qg, lse, dout, delta, bq)
-    dq_t, dkv = update_backward_blocks(
-        dq_t, dkv, qb, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
-    )
+    dq_t, dkv = update_backward_blocks((dq_t, dkv), qb, kh, vh, ids, cfg)
     return dq_from_blocks(dq_t, G), dkv[..., :H], dkv[..., H:]

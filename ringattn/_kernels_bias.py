@@ -35,6 +35,7 @@ from jax import lax
 from ringattn._batching import fold_vmap
 from ringattn._blocks import (
     KernelConfig,
+    MaskIds,
     Summaries,
     apply_mask,
     block_mask,
@@ -87,17 +88,12 @@ def reduce_to(ds, shape):
     return ds.sum(axis=axes, keepdims=True)
 
 
-def _visibility(cfg, summ, windows, terms: LogitTerms, ids, i, j):
+def _visibility(cfg: KernelConfig, summ: Summaries, ids: MaskIds, terms: LogitTerms, i, j):
     """The block's mask ``[B, K or 1, G or 1, bq, bk]``, the mask term ANDed in."""
-    q_pos, kv_pos, q_seg, kv_seg = ids
     bq, bk = cfg.block_q, cfg.block_kv
-    qp = dslice(q_pos, i * bq, bq, 1)
-    qs = None if q_seg is None else dslice(q_seg, i * bq, bq, 1)
-    kp = dslice(kv_pos, j * bk, bk, 1)
-    ks = None if kv_seg is None else dslice(kv_seg, j * bk, bk, 1)
-    mask = block_mask(cfg, summ, windows, qp, kp, qs, ks, i * bq, j * bk)
+    mask = block_mask(cfg, summ, ids.block(i * bq, bq, j * bk, bk), i * bq, j * bk)
     if terms.allowed is not None:
-        mask = mask & batch_rows(term_block(terms.allowed, i, j, bq, bk), qp.shape[0])
+        mask = mask & batch_rows(term_block(terms.allowed, i, j, bq, bk), ids.q_pos.shape[0])
     return mask
 
 
@@ -109,30 +105,31 @@ def _add_bias(s, terms: LogitTerms, i, j, cfg):
     return s + batch_rows(blk, s.shape[0]).astype(jnp.float32)
 
 
-def biased_forward_heads_major(qg, kh, vh, ids, windows, terms: LogitTerms, cfg: KernelConfig):
+def biased_forward_heads_major(qg, kh, vh, ids: MaskIds, terms: LogitTerms, cfg: KernelConfig):
     """Blockwise forward with logit terms on padded arrays.
 
     Args:
       qg: ``[B, Tp, K, G, H]`` queries; ``kh, vh``: ``[B, K, Sp, H]``.
-      ids: ``(q_pos [B, Tp], kv_pos [B, Sp], q_seg or None, kv_seg or None)`` int32.
-      windows: ``[B, K, G]`` per-head window table, or None.
+      ids: :class:`ringattn._blocks.MaskIds` (``[B, Tp]`` / ``[B, Sp]`` int32, ``windows``
+        the ``[B, K, G]`` per-head window table or None).
       terms: :class:`LogitTerms`, heads-major and padded.
+      cfg: the call's :class:`ringattn._blocks.KernelConfig`.
 
     Returns:
       ``out [B, K, G, Tp, H]`` and ``lse [B, K, G, Tp]``, float32.
     """
     kernel = fold_vmap(functools.partial(_forward, cfg=cfg))
-    state = kernel(init_forward_state(qg), qg, kh, vh, ids, windows, terms)
+    state = kernel(init_forward_state(qg), qg, kh, vh, ids, terms)
     return finalize_online_softmax(state)
 
 
-def _forward(state, qg, kh, vh, ids, windows, terms: LogitTerms, cfg: KernelConfig):
+def _forward(state, qg, kh, vh, ids: MaskIds, terms: LogitTerms, cfg: KernelConfig):
     B, K, G, Tp = state.m.shape
     H = qg.shape[-1]
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = Tp // bq, kh.shape[2] // bk
     R = G * bq
-    summ = Summaries(*ids, bq, bk, windows, cfg.mask.dense)
+    summ = Summaries(ids, bq, bk, cfg.mask.dense)
     orders, _, n_lives = visit_orders(summ.kinds(cfg, nq, nk))
     q_rows = rows_blocks(qg, bq)  # [nq, B, K, G * bq, H]
     k_cols = kv_cols_blocks(kh, bk)  # [nk, B, K, H, bk]
@@ -141,7 +138,7 @@ def _forward(state, qg, kh, vh, ids, windows, terms: LogitTerms, cfg: KernelConf
 
     def visit(i, t, st):
         j = orders[i, t]
-        mask = _visibility(cfg, summ, windows, terms, ids, i, j)
+        mask = _visibility(cfg, summ, ids, terms, i, j)
         seen = visible_keys(mask)  # [B, 1, bk, 1]
         k_blk = jnp.where(jnp.swapaxes(seen, 2, 3), k_cols[j], 0)
         v_blk = jnp.where(seen, v_rows[j], 0)
@@ -162,17 +159,17 @@ def _forward(state, qg, kh, vh, ids, windows, terms: LogitTerms, cfg: KernelConf
             write(state.acc, blk.acc, H), write(state.m, blk.m), write(state.l, blk.l)
         )
 
-    axes = varying_axes(state, qg, kh, vh, ids, windows, terms)
+    axes = varying_axes(state, qg, kh, vh, ids, terms)
     return lax.fori_loop(0, nq, q_block, cast_varying(state, axes))
 
 
 def biased_backward_heads_major(
-    qg, kh, vh, ids, windows, terms: LogitTerms, lse, dout, delta, cfg: KernelConfig
+    qg, kh, vh, ids: MaskIds, terms: LogitTerms, cotangents, cfg: KernelConfig
 ):
     """Blockwise backward with logit terms on padded arrays.
 
-    ``lse, delta [B, K, G, Tp]``, ``dout [B, Tp, K, G, H]``; the rest as in
-    :func:`biased_forward_heads_major`.
+    ``cotangents = (lse, dout, delta)``: ``lse, delta [B, K, G, Tp]``, ``dout [B, Tp, K, G,
+    H]``; the rest as in :func:`biased_forward_heads_major`.
 
     Returns:
       ``dq [B, K, G, Tp, H]``, ``dk, dv [B, K, Sp, H]`` and ``dbias`` (the bias's padded shape)
@@ -184,24 +181,28 @@ def biased_backward_heads_major(
     dq_t = jnp.zeros((Tp // bq, B, K, H, G * bq), jnp.float32)
     dkv = jnp.zeros((B, K, Sp, 2 * H), jnp.float32)
     dbias = None if terms.bias is None else jnp.zeros(terms.bias.shape, jnp.float32)
-    qb = query_blocks(qg, lse, dout, delta, bq)
+    qb = query_blocks(qg, *cotangents, bq)
     kernel = fold_vmap(
         functools.partial(_backward, cfg=cfg),
-        in_axes=(1, 0, 0, 1, 0, 0, 0, 0, 0),
+        in_axes=((1, 0, 0), 1, 0, 0, 0, 0),
         out_axes=(1, 0, 0),
     )
-    dq_t, dkv, dbias = kernel(dq_t, dkv, dbias, qb, kh, vh, ids, windows, terms)
+    dq_t, dkv, dbias = kernel((dq_t, dkv, dbias), qb, kh, vh, ids, terms)
     return dq_from_blocks(dq_t, G), dkv[..., :H], dkv[..., H:], dbias
 
 
-def _backward(dq_t, dkv, dbias, qb, kh, vh, ids, windows, terms: LogitTerms, cfg):
+def _backward(grads, qb, kh, vh, ids: MaskIds, terms: LogitTerms, cfg: KernelConfig):
+    """Adds the key set's gradients to ``grads = (dq_t, dkv, dbias)`` (as
+    :func:`ringattn._kernels_backward._update_backward`, plus ``dbias``: its padded shape
+    float32, or None)."""
+    dq_t, dkv, dbias = grads
     nq, B, K, H, R = dq_t.shape
     G = qb.lse.shape[4]
     bq, bk = cfg.block_q, cfg.block_kv
     nk = kh.shape[2] // bk
-    summ = Summaries(*ids, bq, bk, windows, cfg.mask.dense)
+    summ = Summaries(ids, bq, bk, cfg.mask.dense)
     orders, _, n_lives = visit_orders(summ.kinds(cfg, nq, nk).T)  # [nk, nq], [nk]
-    axes = varying_axes(dq_t, dkv, dbias, qb, kh, vh, ids, windows, terms)
+    axes = varying_axes(dq_t, dkv, dbias, qb, kh, vh, ids, terms)
     q_rows, do_rows, do_cols, lse_b, delta_b = qb
     k_cols = kv_cols_blocks(kh, bk)  # [nk, B, K, H, bk]
     mm = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
@@ -209,7 +210,7 @@ def _backward(dq_t, dkv, dbias, qb, kh, vh, ids, windows, terms: LogitTerms, cfg
     def visit(j, t, carry):
         dq_t, dk, dv, dbias = carry
         i = orders[j, t]
-        mask = _visibility(cfg, summ, windows, terms, ids, i, j)
+        mask = _visibility(cfg, summ, ids, terms, i, j)
         seen = visible_keys(mask)  # [B, 1, bk, 1]
         v_blk = jnp.where(seen, dslice(vh, j * bk, bk, 2), 0)
         k_blk_t = jnp.where(jnp.swapaxes(seen, 2, 3), k_cols[j], 0)

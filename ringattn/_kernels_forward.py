@@ -25,6 +25,7 @@ from jax import lax
 from ringattn._batching import fold_vmap
 from ringattn._blocks import (
     KernelConfig,
+    MaskIds,
     Summaries,
     apply_mask,
     block_mask,
@@ -79,16 +80,16 @@ def init_forward_state(qg) -> OnlineSoftmax:
 
 
 def update_forward_heads_major(
-    state: OnlineSoftmax, qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig
+    state: OnlineSoftmax, qg, kh, vh, ids: MaskIds, cfg: KernelConfig
 ) -> OnlineSoftmax:
     """Folds one key/value set into ``state``: :func:`update_forward_blocks` of ``qg`` laid out
     block-major (``qg [B, Tp, K, G, H]``)."""
     q_rows = forward_q_rows(qg, cfg.block_q)
-    return update_forward_blocks(state, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg)
+    return update_forward_blocks(state, q_rows, kh, vh, ids, cfg)
 
 
 def update_forward_blocks(
-    state: OnlineSoftmax, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig
+    state: OnlineSoftmax, q_rows, kh, vh, ids: MaskIds, cfg: KernelConfig
 ) -> OnlineSoftmax:
     """:func:`_update_forward`, with ``vmap`` folded into the batch axis (so it still skips).
 
@@ -96,14 +97,12 @@ def update_forward_blocks(
     query blocks stacked, :func:`query_group`), laid out once for all key sets (a ring lays
     it out once for all its hops).
     """
-    kernel = fold_vmap(
-        functools.partial(_update_forward, cfg=cfg), in_axes=(0, 1, 0, 0, 0, 0, 0, 0, 0)
-    )
-    return kernel(state, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
+    kernel = fold_vmap(functools.partial(_update_forward, cfg=cfg), in_axes=(0, 1, 0, 0, 0))
+    return kernel(state, q_rows, kh, vh, ids)
 
 
 def _update_forward(
-    state: OnlineSoftmax, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig
+    state: OnlineSoftmax, q_rows, kh, vh, ids: MaskIds, cfg: KernelConfig
 ) -> OnlineSoftmax:
     """Folds one key/value set into a running online-softmax state, block by block, in place.
 
@@ -112,9 +111,9 @@ def _update_forward(
       q_rows: ``[nq // W, B, K, W * G * bq, H]`` queries, block-major, ``W`` blocks stacked
         (:func:`forward_q_rows` of ``[B, Tp, K, G, H]``, ``Tp = nq * cfg.block_q``).
       kh, vh: ``[B, K, Sp, H]``; ``Sp % cfg.block_kv == 0``.
-      q_pos, q_seg: ``[B, Tp]`` int32 (``q_seg`` may be None).
-      kv_pos, kv_seg: ``[B, Sp]`` int32 (``kv_seg`` may be None).
-      windows: ``[B, K, G]`` int32 per-query-head windows (``0``: none), or None.
+      ids: :class:`ringattn._blocks.MaskIds`: ``q_pos, q_seg [B, Tp]`` and ``kv_pos, kv_seg
+        [B, Sp]`` int32 (segments may be None), ``windows [B, K, G]`` int32 per-query-head
+        windows (``0``: none) or None.
 
     Returns:
       The state over all key sets so far. Each query block's rows are read, updated over the
@@ -127,7 +126,7 @@ def _update_forward(
     nq, nk = Tp // bq, Sp // bk
     W = nq // q_rows.shape[0]  # query blocks stacked per product where a key block is shared
     R = G * bq  # rows of one query block, all heads of a group: [G, bq] flattened
-    summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk, windows, cfg.mask.dense)
+    summ = Summaries(ids, bq, bk, cfg.mask.dense)
     kinds = summ.kinds(cfg, nq, nk)  # [nq, nk]
     # Laid out once, block-major, so each block product is a plain row-major batched matmul:
     # s = q k^T is [B, K, rows, H] x [B, K, H, bk], p v is [B, K, rows, bk] x [B, K, bk, H].
@@ -142,11 +141,7 @@ def _update_forward(
         """Folds key block ``j`` into the rows ``q_blk`` (query block ``i`` if ``masked``)."""
         k_blk, v_blk = k_cols[j], v_rows[j]  # [B, K, H, bk], [B, K, bk, H]
         if masked:
-            qp = dslice(q_pos, i * bq, bq, 1)
-            qs = None if q_seg is None else dslice(q_seg, i * bq, bq, 1)
-            kp = dslice(kv_pos, j * bk, bk, 1)
-            ks = None if kv_seg is None else dslice(kv_seg, j * bk, bk, 1)
-            mask = block_mask(cfg, summ, windows, qp, kp, qs, ks, i * bq, j * bk)
+            mask = block_mask(cfg, summ, ids.block(i * bq, bq, j * bk, bk), i * bq, j * bk)
             seen = visible_keys(mask)  # [B, 1, bk, 1]
             k_blk = jnp.where(jnp.swapaxes(seen, 2, 3), k_blk, 0)
             v_blk = jnp.where(seen, v_blk, 0)
@@ -198,7 +193,7 @@ def _update_forward(
             acc=write(state.acc, grp.acc, H), m=write(state.m, grp.m), l=write(state.l, grp.l)
         )
 
-    axes = varying_axes(state, q_rows, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows)
+    axes = varying_axes(state, q_rows, kh, vh, ids)
     return lax.fori_loop(0, nq // W, one_group, cast_varying(state, axes))
 
 
@@ -221,13 +216,11 @@ def _update_unmasked(st: OnlineSoftmax, products, v_blk, cfg: KernelConfig) -> O
     )
 
 
-def forward_heads_major(qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg: KernelConfig):
+def forward_heads_major(qg, kh, vh, ids: MaskIds, cfg: KernelConfig):
     """Blockwise forward on padded arrays (heads-major keys, values and results).
 
     Returns:
       ``out [B, K, G, Tp, H]`` float32 and ``lse [B, K, G, Tp]`` float32.
     """
-    state = update_forward_heads_major(
-        init_forward_state(qg), qg, kh, vh, q_pos, kv_pos, q_seg, kv_seg, windows, cfg
-    )
+    state = update_forward_heads_major(init_forward_state(qg), qg, kh, vh, ids, cfg)
     return finalize_online_softmax(state)

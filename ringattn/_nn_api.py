@@ -25,6 +25,7 @@ from ringattn._checks import (
     fail,
     fold_traced_scale,
 )
+from ringattn._kernels_bias import LogitTerms
 from ringattn._options import Positions, SegmentIds, arange_positions, prepare
 
 __all__ = ["dot_product_attention"]
@@ -210,7 +211,8 @@ def dot_product_attention(
         positions=positions,
         sinks=None,
     )
-    out = run_xla(query, key, value, (seg, pos, None), (bias, mask), spec, block_sizes).out
+    terms = LogitTerms(bias, mask)
+    out = run_xla(query, key, value, (seg, pos, None), terms, spec, block_sizes).out
     return out.reshape(out_shape)
 
 

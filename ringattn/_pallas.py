@@ -12,6 +12,7 @@ import functools
 import jax
 
 from ringattn import _pallas_tpu, _pallas_triton
+from ringattn._blocks import MaskIds
 from ringattn._heads_major import attention_delta
 from ringattn._pallas_common import PallasConfig
 
@@ -29,31 +30,29 @@ def kernel_calls(cfg: PallasConfig):
     return _pallas_triton.forward_call, _pallas_triton.backward_call
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def pallas_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def pallas_attention(q, k, v, ids: MaskIds, cfg: PallasConfig):
     """Blockwise ``(out [B, T, N, H] in q.dtype, lse [B, T, N] float32)`` by Pallas kernels.
 
-    ``q_pos [B, T]``, ``kv_pos [B, S]`` int32 positions; ``q_seg``, ``kv_seg`` segment ids
-    or None; ``table``: the ``[B, K, G]`` per-head window table (``0``: none) or None.
-    Differentiable in ``q``, ``k``, ``v`` and through ``lse`` (``delta - dlse``).
-    ``cfg.target`` picks the Triton kernels (here) or the Mosaic ones (TPU).
+    ``ids``: :class:`ringattn._blocks.MaskIds`: ``q_pos [B, T]``, ``kv_pos [B, S]`` int32
+    positions, segment ids or None, ``windows`` the ``[B, K, G]`` per-head window table
+    (``0``: none) or None. Differentiable in ``q``, ``k``, ``v`` and through ``lse``
+    (``delta - dlse``). ``cfg.target`` picks the Triton kernels or the Mosaic ones (TPU).
     """
-    return kernel_calls(cfg)[0](q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+    return kernel_calls(cfg)[0](q, k, v, ids, cfg)
 
 
-def _fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg):
-    out, lse = kernel_calls(cfg)[0](q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, out, lse)
+def _fwd(q, k, v, ids, cfg):
+    out, lse = kernel_calls(cfg)[0](q, k, v, ids, cfg)
+    return (out, lse), (q, k, v, ids, out, lse)
 
 
 def _bwd(cfg, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, out, lse = residuals
+    q, k, v, ids, out, lse = residuals
     dout, dlse = cotangents
     delta = attention_delta(out, dout, dlse)
-    backward = kernel_calls(cfg)[1]
-    dq, dk, dv = backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta, cfg)
-    ints = (None,) * 5
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
+    dq, dk, dv = kernel_calls(cfg)[1](q, k, v, ids, (lse, dout, delta), cfg)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 pallas_attention.defvjp(_fwd, _bwd)

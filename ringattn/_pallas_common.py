@@ -20,8 +20,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from ringattn._blocks import KernelConfig, Summaries, pad_axis, round_up
-from ringattn._heads_major import pad_ids
+from ringattn._blocks import KernelConfig, MaskIds, Summaries, pad_axis, round_up
 from ringattn._options import MaskSpec
 
 
@@ -95,7 +94,10 @@ def from_keys(x, B: int, S: int, H: int):
 class Prepared:
     """The padded, row-laid-out operands of one call and its block classification."""
 
-    def __init__(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg, bq, bk):
+    def __init__(self, q, k, v, ids: MaskIds, cfg: "PallasConfig", blocks: tuple[int, int]):
+        """``ids``: :class:`ringattn._blocks.MaskIds` ``[B, T]`` / ``[B, S]`` int32, ``windows``
+        the ``[B, K, G]`` per-head window table or None; ``blocks``: ``(block_q, block_kv)``."""
+        bq, bk = blocks
         B, T, N, H = q.shape
         S, K = k.shape[1], k.shape[2]
         G = N // K
@@ -103,14 +105,14 @@ class Prepared:
         self.Tp, self.Sp = round_up(T, bq), round_up(S, bk)
         self.Hp = max(16, next_pow2(H))
         self.bq, self.bk, self.R = bq, bk, bq * G
-        qp, kp = pad_ids(q_pos, self.Tp), pad_ids(kv_pos, self.Sp)
-        qs, ks = pad_ids(q_seg, self.Tp), pad_ids(kv_seg, self.Sp)
+        ids = ids.padded(self.Tp, self.Sp)
+        qp, kp, qs, ks, table = ids
         kcfg = KernelConfig(mask=cfg.mask, scale=cfg.scale, block_q=bq, block_kv=bk, kv_len=S)
-        summ = Summaries(qp, kp, qs, ks, bq, bk, table, None)
+        summ = Summaries(ids, bq, bk, None)
         self.kinds = summ.kinds(kcfg, self.Tp // bq, self.Sp // bk)  # [nq, nk]
         rep = lambda x: jnp.repeat(x, G, axis=1)  # [B, Tp] -> [B, Tp * G]
         self.row_pos, self.kv_pos = rep(qp), kp
-        self.segments = q_seg is not None
+        self.segments = qs is not None
         self.row_seg, self.kv_seg = (rep(qs), ks) if self.segments else (None, None)
         self.per_head = table is not None
         if self.per_head:  # [B, K, G] -> [B * K, Tp * G]
@@ -138,13 +140,15 @@ def dot(a, b, contract=(1, 1)):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def visibility(cfg: PallasConfig, kv_len, qp, kp, qs, ks, w, col):
+def visibility(cfg: PallasConfig, kv_len, ids: MaskIds, col):
     """``[R, bk]`` visibility from per-row columns ``[R, 1]`` and per-key rows ``[1, bk]``.
 
-    ``qp``, ``qs``, ``w``: row positions, segments, windows (``0``: none; or None);
-    ``kp``, ``ks``: key positions, segments; ``col``: the keys' indices (``>= kv_len``:
+    ``ids``: :class:`ringattn._blocks.MaskIds` of one block: row positions, segments and
+    windows (``0``: none; or None) ``q_pos, q_seg, windows [R, 1]``, key positions and
+    segments ``kv_pos, kv_seg [1, bk]``; ``col``: the keys' indices (``>= kv_len``:
     padding). Shared by the Triton and the Mosaic kernels.
     """
+    qp, kp, qs, ks, w = ids
     mask = jnp.broadcast_to(col < kv_len, (qp.shape[0], col.shape[1]))
     spec = cfg.mask
     if spec.causal:

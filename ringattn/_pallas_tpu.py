@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn._blocks import EMPTY, FULL, PARTIAL, live_range, round_up
+from ringattn._blocks import EMPTY, FULL, PARTIAL, MaskIds, live_range, round_up
 from ringattn._mosaic_blocks import LANES, SUBLANES
 from ringattn._pallas_common import (
     PallasConfig,
@@ -123,20 +123,26 @@ def _interpret(cfg: PallasConfig):
 # ----------------------------------------------------------------------------- kernel bodies
 
 
-def _split_ids(id_refs, flags):
-    """``(qp, kp, qs, ks, w)`` refs (None for absent ones) in :meth:`Prepared.ids` order."""
+def _split_ids(id_refs, flags) -> MaskIds:
+    """The id refs (None for absent ones) in :meth:`Prepared.ids` order, as a ``MaskIds``."""
     segments, per_head = flags
     qs, ks = (id_refs[2], id_refs[3]) if segments else (None, None)
-    return id_refs[0], id_refs[1], qs, ks, id_refs[-1] if per_head else None
+    return MaskIds(id_refs[0], id_refs[1], qs, ks, id_refs[-1] if per_head else None)
 
 
-def _mask(cfg, kv_len, ids, kv_start, bk):
+def _load(id_refs: MaskIds) -> MaskIds:
+    """The id blocks the refs of :func:`_split_ids` hold."""
+    return MaskIds(*(None if r is None else r[...] for r in id_refs))
+
+
+def _mask(cfg, kv_len, ids: MaskIds, kv_start, bk):
     """``[R, bk]`` visibility from the id blocks (rows ``[R, 128]``, keys ``[8, bk]``)."""
-    qp, kp, qs, ks, w = ids
     column = lambda r: None if r is None else r[:, :1]  # [R, 1]
     row = lambda r: None if r is None else r[:1, :]  # [1, bk]
     col = kv_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    return visibility(cfg, kv_len, column(qp), row(kp), column(qs), row(ks), column(w), col)
+    qp, kp, qs, ks, w = ids
+    ids = MaskIds(column(qp), row(kp), column(qs), row(ks), column(w))
+    return visibility(cfg, kv_len, ids, col)
 
 
 def _zero_unseen(mask, k, v):
@@ -168,7 +174,7 @@ def _forward_kernel(*refs, cfg, flags, kv_len, bk, nk):
     def visit(masked: bool):
         q, k, v = q_ref[...], k_ref[...], v_ref[...]  # [R, Hp], [bk, Hp], [bk, Hp]
         if masked:
-            mask = _mask(cfg, kv_len, [None if r is None else r[...] for r in id_refs], j * bk, bk)
+            mask = _mask(cfg, kv_len, _load(id_refs), j * bk, bk)
             k, v = _zero_unseen(mask, k, v)
         s, _ = logits(cfg, q, k)  # [R, bk]
         if masked:
@@ -197,9 +203,15 @@ def _forward_kernel(*refs, cfg, flags, kv_len, bk, nk):
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
-def _backward_block(cfg, masked, q, k, v, do, lse, delta, mask):
+def _backward_block(cfg, q, kv, cotangents, mask):
     """``(p, ds, k, v)`` of one block pair: probabilities ``[R, bk]``, logit gradients and the
-    (zeroed where unseen) keys and values."""
+    (zeroed where unseen) keys and values.
+
+    ``kv = (k, v)`` ``[bk, Hp]``; ``cotangents = (do [R, Hp], lse [R, 1], delta [R, 1])``;
+    ``mask``: the pair's ``[R, bk]`` visibility, or None for a full pair.
+    """
+    (k, v), (do, lse, delta) = kv, cotangents
+    masked = mask is not None
     if masked:
         k, v = _zero_unseen(mask, k, v)
     s, t = logits(cfg, q, k)
@@ -225,12 +237,11 @@ def _dq_kernel(*refs, cfg, flags, kv_len, bk, nk):
     def visit(masked: bool):
         mask = None
         if masked:
-            mask = _mask(cfg, kv_len, [None if r is None else r[...] for r in id_refs], j * bk, bk)
+            mask = _mask(cfg, kv_len, _load(id_refs), j * bk, bk)
         lse, delta = lse_ref[:, :1], delta_ref[:, :1]  # [R, 1]
         q = q_ref[...]
-        _, ds, k, _ = _backward_block(
-            cfg, masked, q, k_ref[...], v_ref[...], do_ref[...], lse, delta, mask
-        )
+        kv, cotangents = (k_ref[...], v_ref[...]), (do_ref[...], lse, delta)
+        _, ds, k, _ = _backward_block(cfg, q, kv, cotangents, mask)
         acc_ref[...] += dot(ds.astype(k.dtype), k, (1, 0))
 
     pl.when(kind == FULL)(lambda: visit(False))
@@ -257,10 +268,11 @@ def _dkv_kernel(*refs, cfg, flags, kv_len, bk, nq):
     def visit(masked: bool):
         mask = None
         if masked:
-            mask = _mask(cfg, kv_len, [None if r is None else r[...] for r in id_refs], j * bk, bk)
+            mask = _mask(cfg, kv_len, _load(id_refs), j * bk, bk)
         q, do = q_ref[...], do_ref[...]
         lse, delta = lse_ref[:, :1], delta_ref[:, :1]
-        p, ds, _, _ = _backward_block(cfg, masked, q, k_ref[...], v_ref[...], do, lse, delta, mask)
+        kv, cotangents = (k_ref[...], v_ref[...]), (do, lse, delta)
+        p, ds, _, _ = _backward_block(cfg, q, kv, cotangents, mask)
         dv_acc[...] += dot(p.astype(do.dtype), do, (0, 0))  # [bk, Hp]
         dk_acc[...] += dot(ds.astype(q.dtype), q, (0, 0))
 
@@ -276,14 +288,14 @@ def _dkv_kernel(*refs, cfg, flags, kv_len, bk, nq):
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig):
+def forward_call(q, k, v, ids: MaskIds, cfg: PallasConfig):
     """``(out [B, T, N, H] in q.dtype, lse [B, T, N] float32)`` by the Mosaic kernel.
 
-    Same contract as :func:`ringattn._pallas._forward_call`.
+    Same contract as :func:`ringattn._pallas_triton.forward_call`.
     """
     B, T, N, H = q.shape
     K = k.shape[2]
-    prep = Prepared(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg, cfg.block_q, cfg.block_kv)
+    prep = Prepared(q, k, v, ids, cfg, (cfg.block_q, cfg.block_kv))
     ops = _Operands(prep, q, k, v)
     Hp, R, bk = ops.Hp, prep.R, prep.bk
     nq, nk = prep.kinds.shape
@@ -334,16 +346,15 @@ def forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig
     return from_rows(out, B, T, N, H), from_stat_rows(lse[..., 0], B, T, N)
 
 
-def backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta, cfg):
+def backward_call(q, k, v, ids: MaskIds, cotangents, cfg: PallasConfig):
     """float32 ``(dq, dk, dv)`` in the canonical layouts by the Mosaic kernels.
 
-    Same contract as :func:`ringattn._pallas._backward_call`.
+    Same contract as :func:`ringattn._pallas_triton.backward_call`.
     """
+    lse, dout, delta = cotangents
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    prep = Prepared(
-        q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg, cfg.block_q_bwd, cfg.block_kv_bwd
-    )
+    prep = Prepared(q, k, v, ids, cfg, (cfg.block_q_bwd, cfg.block_kv_bwd))
     ops = _Operands(prep, q, k, v)
     Hp, R, bk = ops.Hp, prep.R, prep.bk
     nq, nk = prep.kinds.shape

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ringattn._blocks import EMPTY, FULL, live_range
+from ringattn._blocks import EMPTY, FULL, MaskIds, live_range
 from ringattn._pallas_common import (
     PallasConfig,
     Prepared,
@@ -82,13 +82,16 @@ def pallas_blocks(block_sizes, G: int, T: int, S: int, interpret: bool):
 # ----------------------------------------------------------------------------- kernel bodies
 
 
-def _block_mask(cfg: PallasConfig, kv_len, qp, kp, qs, ks, w, kv_start):
-    """``[R, bk]`` visibility of one block pair from per-row and per-key ids."""
-    bk = kp.shape[0]
+def _block_mask(cfg: PallasConfig, kv_len, ids: MaskIds, kv_start):
+    """``[R, bk]`` visibility of one block pair from per-row ids ``[R]`` (``q_pos``,
+    ``q_seg``, ``windows``) and per-key ids ``[bk]`` (``kv_pos``, ``kv_seg``)."""
+    bk = ids.kv_pos.shape[0]
     col = kv_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     column = lambda x: None if x is None else x[:, None]
     row = lambda x: None if x is None else x[None, :]
-    return visibility(cfg, kv_len, column(qp), row(kp), column(qs), row(ks), column(w), col)
+    qp, kp, qs, ks, w = ids
+    ids = MaskIds(column(qp), row(kp), column(qs), row(ks), column(w))
+    return visibility(cfg, kv_len, ids, col)
 
 
 def _zero_unseen(mask, *blocks):
@@ -121,7 +124,7 @@ def _forward_kernel(*refs, cfg, flags, kv_len, bk):
         if masked:
             kp = kp_ref[sl]
             ks = None if ks_ref is None else ks_ref[sl]
-            mask = _block_mask(cfg, kv_len, qp, kp, qs, ks, w, j * bk)
+            mask = _block_mask(cfg, kv_len, MaskIds(qp, kp, qs, ks, w), j * bk)
             k, v = _zero_unseen(mask, k, v)
             s, _ = logits(cfg, q, k)
             s = jnp.where(mask, s, -jnp.inf)
@@ -186,7 +189,7 @@ def _dq_kernel(*refs, cfg, flags, kv_len, bk):
         if masked:
             kp = kp_ref[sl]
             ks = None if ks_ref is None else ks_ref[sl]
-            mask = _block_mask(cfg, kv_len, qp, kp, qs, ks, w, j * bk)
+            mask = _block_mask(cfg, kv_len, MaskIds(qp, kp, qs, ks, w), j * bk)
             k, v = _zero_unseen(mask, k, v)
         s, t = logits(cfg, q, k)
         if masked:
@@ -239,7 +242,7 @@ def _dkv_kernel(*refs, cfg, flags, kv_len, R):
             qp = qp_ref[rows]
             qs = None if qs_ref is None else qs_ref[rows]
             w = None if w_ref is None else w_ref[rows]
-            mask = _block_mask(cfg, kv_len, qp, kp, qs, ks, w, j * bk)
+            mask = _block_mask(cfg, kv_len, MaskIds(qp, kp, qs, ks, w), j * bk)
             k, v = _zero_unseen(mask, k, v)
         s, t = logits(cfg, q, k)  # [R, bk]
         if masked:
@@ -292,11 +295,15 @@ def _id_specs(prep: Prepared, K: int, rows_block, keys_block, rows_index, keys_i
     return specs
 
 
-def forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig):
-    """``(out [B, T, N, H] in q.dtype, lse [B, T, N] float32)`` and the prepared operands."""
+def forward_call(q, k, v, ids: MaskIds, cfg: PallasConfig):
+    """``(out [B, T, N, H] in q.dtype, lse [B, T, N] float32)``.
+
+    ``ids``: :class:`ringattn._blocks.MaskIds` ``[B, T]`` / ``[B, S]`` int32, ``windows`` the
+    ``[B, K, G]`` per-head window table (``0``: none) or None.
+    """
     B, T, N, H = q.shape
     K = k.shape[2]
-    prep = Prepared(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg, cfg.block_q, cfg.block_kv)
+    prep = Prepared(q, k, v, ids, cfg, (cfg.block_q, cfg.block_kv))
     Tp, Sp, Hp, R, bk = prep.Tp, prep.Sp, prep.Hp, prep.R, prep.bk
     nq, nk = prep.kinds.shape
     lo, hi = jax.vmap(live_range)(prep.kinds != EMPTY)
@@ -334,13 +341,16 @@ def forward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg: PallasConfig
     return from_rows(out, B, T, N, H), from_stat_rows(lse, B, T, N)
 
 
-def backward_call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, lse, dout, delta, cfg):
-    """float32 ``(dq, dk, dv)`` in the canonical layouts."""
+def backward_call(q, k, v, ids: MaskIds, cotangents, cfg: PallasConfig):
+    """float32 ``(dq, dk, dv)`` in the canonical layouts.
+
+    ``cotangents = (lse [B, T, N], dout [B, T, N, H], delta [B, T, N])``; ``ids`` as in
+    :func:`forward_call`.
+    """
+    lse, dout, delta = cotangents
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    prep = Prepared(
-        q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg, cfg.block_q_bwd, cfg.block_kv_bwd
-    )
+    prep = Prepared(q, k, v, ids, cfg, (cfg.block_q_bwd, cfg.block_kv_bwd))
     Tp, Sp, Hp, R, bk = prep.Tp, prep.Sp, prep.Hp, prep.R, prep.bk
     nq, nk = prep.kinds.shape
     qr, kr, vr = to_rows(q, K, Tp, Hp), to_keys(k, Sp, Hp), to_keys(v, Sp, Hp)

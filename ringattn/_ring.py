@@ -44,13 +44,15 @@ References:
   Context", 2023; Brandon et al., "Striped Attention", 2023; Dao, "FlashAttention-2", 2023.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from ringattn._blocks import round_up, window_table
+from ringattn._blocks import MaskIds, round_up, window_table
 from ringattn._blockwise import (
     BlockSizes,
     check_block_sizes,
@@ -231,23 +233,9 @@ def ring_attention_per_shard(
     if B == 0 or T == 0 or S == 0:
         return apply_sinks(*empty_attention(q, k, v), sinks)
     q_seg, kv_seg = (None, None) if seg is None else seg
-    windows = head_windows(spec, N)
-    out, lse = ring_local(
-        q,
-        k,
-        v,
-        pos.q,
-        pos.kv,
-        q_seg,
-        kv_seg,
-        windows,
-        spec,
-        layout,
-        block_sizes,
-        seq_axis,
-        hop_format=hop_format,
-        impl=impl,
-    )
+    ids = MaskIds(pos.q, pos.kv, q_seg, kv_seg, head_windows(spec, N))
+    ring = RingOptions(layout, seq_axis, block_sizes, hop_format=hop_format, impl=impl)
+    out, lse = ring_local(q, k, v, ids, spec, ring)
     return apply_sinks(out, lse, sinks)
 
 
@@ -260,59 +248,66 @@ def check_pallas_options(fn: str, impl: str, hop_format: KVFormat | None) -> Non
         )
 
 
-def ring_local(
-    q,
-    k,
-    v,
-    q_pos,
-    kv_pos,
-    q_seg,
-    kv_seg,
-    windows,
-    spec,
-    layout,
-    block_sizes,
-    seq_axis,
-    *,
-    hop_format: KVFormat | None = None,
-    hops: int | None = None,
-    impl: str = "xla",
-):
+class RingOptions(NamedTuple):
+    """How one ring runs (static): what :func:`ring_local` takes besides arrays and mask.
+
+    Attributes:
+      layout: the sequence layout over the ring (``"contiguous"``, ``"zigzag"``, ...).
+      seq_axis: the ring's mesh axis name (or tuple of names).
+      block_sizes: a :class:`BlockSizes`, or None for the defaults of ``impl``.
+      hop_format: a :class:`ringattn.KVFormat` quantizing the travelling K/V, or None.
+      hops: at most this many hops after the local one can reach a visible key (the caller
+        read it off concrete positions); None: what the ring derives itself.
+      impl: the resolved ``"xla"`` or ``"pallas"``.
+    """
+
+    layout: str
+    seq_axis: str | tuple[str, ...]
+    block_sizes: BlockSizes | None = None
+    hop_format: KVFormat | None = None
+    hops: int | None = None
+    impl: str = "xla"
+
+
+def ring_local(q, k, v, ids: MaskIds, spec: MaskSpec, ring: RingOptions):
     """The ring on validated inputs: ``(out, lse)``; positions None take the layout default.
 
-    ``windows``: ``[N]`` per-head windows of THESE query heads (traced or numpy), or None.
-    ``block_sizes``: a :class:`BlockSizes`, or None for the defaults of ``impl``.
-    ``hops``: at most this many hops after the local one can reach a visible key (the caller
-    read it off concrete positions); None: what the ring derives itself. ``impl``: the
-    resolved ``"xla"`` or ``"pallas"``.
+    ``ids``: :class:`ringattn._blocks.MaskIds` of the local shard, ``windows`` the ``[N]``
+    per-head windows of THESE query heads (traced or numpy) or None.
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    n = _axis_size("ring_attention_per_shard", seq_axis)
-    default_pos = q_pos is None and kv_pos is None
-    index = lax.axis_index(seq_axis)
-    if q_pos is None:
-        q_pos = jnp.broadcast_to(shard_positions(layout, index, n, T), (B, T))
-    if kv_pos is None:
-        kv_pos = jnp.broadcast_to(shard_positions(layout, index, n, S), (B, S))
-    table = None if windows is None else window_table(windows, B, K)
+    n = _axis_size("ring_attention_per_shard", ring.seq_axis)
+    default_pos = ids.q_pos is None and ids.kv_pos is None
+    index = lax.axis_index(ring.seq_axis)
+    if ids.q_pos is None:
+        ids = ids._replace(
+            q_pos=jnp.broadcast_to(shard_positions(ring.layout, index, n, T), (B, T))
+        )
+    if ids.kv_pos is None:
+        ids = ids._replace(
+            kv_pos=jnp.broadcast_to(shard_positions(ring.layout, index, n, S), (B, S))
+        )
+    if ids.windows is not None:
+        ids = ids._replace(windows=window_table(ids.windows, B, K))
     pallas = None
-    if impl == "pallas":
-        pallas = shard_pallas_config(spec, H, N // K, T, S, block_sizes, layout)
+    if ring.impl == "pallas":
+        pallas = shard_pallas_config(spec, H, N // K, T, S, ring.block_sizes, ring.layout)
     plan = _RingPlan(
-        seq_axis=seq_axis,
+        seq_axis=ring.seq_axis,
         num_shards=n,
-        hops=_hops(n, T, S, spec, layout, default_pos, hops),
+        hops=_hops(n, T, S, spec, ring.layout, default_pos, ring.hops),
         mask=spec,
-        block_sizes=_layout_block_sizes(block_sizes or BlockSizes(), layout, T, S),
-        hop_format=hop_format,
+        block_sizes=_layout_block_sizes(ring.block_sizes or BlockSizes(), ring.layout, T, S),
+        hop_format=ring.hop_format,
         pallas=pallas,
     )
     # Everything that travels or meets travelling data must vary along the ring axis, and
     # the custom VJP's cotangents must match its inputs' types: cast all inputs to vary
     # together (for a ``k`` replicated over a head axis, the cast's transpose is the psum
     # its gradient needs).
-    args = (q, k, v, q_pos, kv_pos, q_seg, kv_seg, table)
+    args = (q, k, v, ids)
+    seq_axis = ring.seq_axis
     ring_axes = frozenset(seq_axis if isinstance(seq_axis, tuple) else (seq_axis,))
     args = cast_varying(args, ring_axes | varying_axes(*args))
     return _ring(*args, plan)

@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ringattn._blocks import MaskIds
 from ringattn._blockwise import make_pallas_config
 from ringattn._heads_major import attention_delta
 from ringattn._online_softmax import AttentionOutput, merge_attention
@@ -25,25 +26,26 @@ from ringattn._ring_hops import _RingPlan, _run_hops, _shift
 from ringattn._varying import cast_varying, varying_axes
 
 
-def _ring_forward_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, plan: _RingPlan):
+def _ring_forward_pallas(q, k, v, ids: MaskIds, plan: _RingPlan):
     """The forward ring with the Pallas kernel per hop: ``(out in q.dtype, lse float32)``.
 
-    ``table``: the ``[B, K, G]`` per-head window table or None. The block travels as
+    ``ids.windows``: the ``[B, K, G]`` per-head window table or None. The block travels as
     ``(k, v, kv_pos, kv_seg)`` in the canonical layout (the kernel pads it itself); each
     hop's ``(out, lse)`` (``out`` in ``q.dtype``) is merged into a float32 running result.
     """
     B, T, N, H = q.shape
-    block = (k, v, kv_pos, kv_seg)
+    block = (k, v, ids.kv_pos, ids.kv_seg)
 
     def compute(block, running: AttentionOutput, arriving):
         kb, vb, kp, ks = block
-        out, lse = kernel_calls(plan.pallas)[0](q, kb, vb, q_pos, kp, q_seg, ks, table, plan.pallas)
+        hop_ids = ids._replace(kv_pos=kp, kv_seg=ks)
+        out, lse = kernel_calls(plan.pallas)[0](q, kb, vb, hop_ids, plan.pallas)
         return merge_attention(running.out, running.lse, out, lse), None
 
     empty = AttentionOutput(
         jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
     )
-    running = cast_varying(empty, varying_axes(q, q_pos, q_seg, table, *block))
+    running = cast_varying(empty, varying_axes(q, ids, *block))
     (out, lse), _ = _run_hops(plan, block, running, compute)
     return out.astype(q.dtype), lse
 
@@ -56,17 +58,18 @@ def _ring_bwd_pallas(plan: _RingPlan, residuals, cotangents):
     its exact share. The block's float32 ``concat([dk, dv], -1)`` ``[B, S, K, 2H]`` travels
     with it and a last shift sends it home, as in the XLA ring.
     """
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, out, lse = residuals
+    q, k, v, ids, out, lse = residuals
     dout, dlse = cotangents
     B, T, N, H = q.shape
     delta = attention_delta(out, dout, dlse)
-    block = (k, v, kv_pos, kv_seg)
-    axes = varying_axes(q, q_pos, q_seg, table, lse, dout, delta, *block)
+    block = (k, v, ids.kv_pos, ids.kv_seg)
+    axes = varying_axes(q, ids, lse, dout, delta, *block)
 
     def compute(block, dq, arriving):
         kb, vb, kp, ks = block
+        hop_ids = ids._replace(kv_pos=kp, kv_seg=ks)
         dq_hop, dk, dv = kernel_calls(plan.pallas)[1](
-            q, kb, vb, q_pos, kp, q_seg, ks, table, lse, dout, delta, plan.pallas
+            q, kb, vb, hop_ids, (lse, dout, delta), plan.pallas
         )
         dkv = jnp.concatenate([dk, dv], axis=-1)  # [B, S, K, 2H] float32
         return dq + dq_hop, dkv if arriving is None else arriving + dkv
@@ -76,8 +79,7 @@ def _ring_bwd_pallas(plan: _RingPlan, residuals, cotangents):
     if plan.hops:
         dkv = _shift(dkv, plan, -plan.hops)  # block (i - hops)'s gradients go home
     dk, dv = dkv[..., :H], dkv[..., H:]
-    ints = (None,) * 5
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 def shard_pallas_config(

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ringattn._blocks import MaskIds
 from ringattn._heads_major import (
     attention_delta,
     kv_from_heads_major,
@@ -60,19 +61,20 @@ def _arrived_block(block, plan: _RingPlan):
     return dequantize_rows(k_data, k_scale, fmt), dequantize_rows(v_data, v_scale, fmt), kp, ks
 
 
-def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan: _RingPlan):
+def _ring_forward(q, k, v, ids: MaskIds, plan: _RingPlan):
     if plan.pallas is not None:
-        return _ring_forward_pallas(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan)
+        return _ring_forward_pallas(q, k, v, ids, plan)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.forward)
-    qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
-    block = _travelling_block(k, v, kv_pos, kv_seg, Sp, plan)
+    qg, q_ids = q_to_groups(q, K, Tp), ids.padded(Tp, Sp)  # the kv side arrives per hop
+    block = _travelling_block(k, v, ids.kv_pos, ids.kv_seg, Sp, plan)
     q_rows = forward_q_rows(qg, cfg.block_q)  # block-major once, for every hop
 
     def compute(block, state, arriving):
         kh, vh, kp, ks = _arrived_block(block, plan)
-        state = update_forward_blocks(state, q_rows, kh, vh, qp, kp, qs, ks, windows, cfg)
+        hop_ids = q_ids._replace(kv_pos=kp, kv_seg=ks)
+        state = update_forward_blocks(state, q_rows, kh, vh, hop_ids, cfg)
         return state, None
 
     # Every hop folds into one float32 online-softmax state: no per-hop (out, lse) to merge.
@@ -82,32 +84,37 @@ def _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan: _RingPla
     return q_from_heads_major(out, T).astype(q.dtype), q_from_heads_major(lse, T)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan):
-    return _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, ids: MaskIds, plan: _RingPlan):
+    """The ring on validated, ring-varying inputs: ``(out in q.dtype, lse float32)``.
+
+    ``ids``: :class:`ringattn._blocks.MaskIds` of the local shard, ``windows`` the ``[B, K,
+    G]`` per-head window table or None; the key side travels with the keys.
+    """
+    return _ring_forward(q, k, v, ids, plan)
 
 
-def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan):
-    out, lse = _ring_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, plan)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse)
+def _ring_fwd(q, k, v, ids, plan):
+    out, lse = _ring_forward(q, k, v, ids, plan)
+    return (out, lse), (q, k, v, ids, out, lse)
 
 
 def _ring_bwd(plan: _RingPlan, residuals, cotangents):
     if plan.pallas is not None:
         return _ring_bwd_pallas(plan, residuals, cotangents)
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, windows, out, lse = residuals
+    q, k, v, ids, out, lse = residuals
     dout, dlse = cotangents
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     cfg, Tp, Sp = make_kernel_config(plan.mask, H, T, S, *plan.block_sizes.backward)
     bq = cfg.block_q  # clamped to T
-    qg, qp, qs = q_to_groups(q, K, Tp), pad_ids(q_pos, Tp), pad_ids(q_seg, Tp)
+    qg, q_ids = q_to_groups(q, K, Tp), ids.padded(Tp, Sp)
     lse_h = q_to_heads_major(lse, K, Tp)  # [B, K, G, Tp]
     dout_g = q_to_groups(dout, K, Tp)  # [B, Tp, K, G, H]
     delta_h = q_to_heads_major(attention_delta(out, dout, dlse), K, Tp)
     # The same quantized K/V travel again; dK/dV accumulators travel in float32. Gradients are
     # those of attention over the dequantized K/V (straight-through for k, v).
-    block = _travelling_block(k, v, kv_pos, kv_seg, Sp, plan)
+    block = _travelling_block(k, v, ids.kv_pos, ids.kv_seg, Sp, plan)
     axes = varying_axes(qg, lse_h, dout_g, delta_h, *block)
     # The query side and dq (transposed) stay block-major over every hop, laid out once.
     qb = query_blocks(qg, lse_h, dout_g, delta_h, bq)
@@ -117,7 +124,8 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
         # dK/dV of the block held at this hop: [B, K, Sp, 2H] float32, travelling with it.
         dkv = cast_varying(jnp.zeros((B, K, Sp, 2 * H), jnp.float32), axes)
         dkv = dkv if arriving is None else arriving
-        return update_backward_blocks(dq_t, dkv, qb, kh, vh, qp, kp, qs, ks, windows, cfg)
+        hop_ids = q_ids._replace(kv_pos=kp, kv_seg=ks)
+        return update_backward_blocks((dq_t, dkv), qb, kh, vh, hop_ids, cfg)
 
     dq_t = jnp.zeros((Tp // bq, B, K, H, N // K * bq), jnp.float32)  # dq^T, block-major
     dq_t, dkv = _run_hops(plan, block, cast_varying(dq_t, axes), compute)
@@ -127,8 +135,7 @@ def _ring_bwd(plan: _RingPlan, residuals, cotangents):
     dk = kv_from_heads_major(dkv[..., :H], S)
     dv = kv_from_heads_major(dkv[..., H:], S)
     dq = q_from_heads_major(dq, T)
-    ints = (None,) * 5
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *ints
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

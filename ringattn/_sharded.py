@@ -33,6 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
+from ringattn._blocks import MaskIds
 from ringattn._blockwise import BlockSizes, empty_attention, resolve_impl
 from ringattn._checks import FloatLike, IntLike, fail, fold_traced_scale, refuse_bias
 from ringattn._formats import KVFormat
@@ -73,26 +74,27 @@ def _ulysses_repeat(N: int, K: int, n: int, what: str) -> int:
     return n // math.gcd(K, n)
 
 
-@functools.partial(jax.jit, static_argnums=(8,))
-def _sharded(q, k, v, qs, ks, qp, kp, sinks, plan: Plan):
+@functools.partial(jax.jit, static_argnums=(5,))
+def _sharded(q, k, v, ids: MaskIds, sinks, plan: Plan):
+    """``ids``: the global positions (None: defaults) and segment ids, no windows."""
     B, T = q.shape[:2]
     S = k.shape[1]
     # Ring and USP let the ring derive default positions from the layout (and the shard index);
     # the other strategies gather positions, so they get explicit ones.
     if plan.strategy in ("allgather", "ulysses"):
-        if qp is None:
-            qp = default_positions(B, T, plan)
-        if kp is None:
-            kp = default_positions(B, S, plan)
-    args = (q, k, v, qs, ks, qp, kp, sinks)
-    specs = tuple(None if x is None else plan.spec(x.ndim) for x in args[:-1])
-    specs += (None if sinks is None else P(plan.head_axis),)
+        if ids.q_pos is None:
+            ids = ids._replace(q_pos=default_positions(B, T, plan))
+        if ids.kv_pos is None:
+            ids = ids._replace(kv_pos=default_positions(B, S, plan))
+    args = (q, k, v, ids, sinks)
+    sharded = lambda x: plan.spec(x.ndim)
+    specs = (*(jax.tree.map(sharded, x) for x in args[:-1]), None)
+    if sinks is not None:
+        specs = (*specs[:-1], P(plan.head_axis))
     if any(t == AxisType.Explicit for t in plan.mesh.axis_types):
         # Explicit axes: shard_map wants the inputs already laid out as in_specs say.
-        args = tuple(
-            None if x is None else jax.sharding.reshard(x, NamedSharding(plan.mesh, s))
-            for x, s in zip(args, specs, strict=True)
-        )
+        reshard = lambda x, s: jax.sharding.reshard(x, NamedSharding(plan.mesh, s))
+        args = tuple(jax.tree.map(reshard, x, s) for x, s in zip(args, specs, strict=True))
     fn = jax.shard_map(
         functools.partial(body, plan=plan),
         mesh=plan.mesh,
@@ -413,4 +415,4 @@ def sharded_attention(
     )
     plan = dataclasses.replace(plan, ring_hops=_ring_hops(positions, plan, B, T, S))
     qs, ks = (None, None) if seg is None else seg
-    return _sharded(q, k, v, qs, ks, pos.q, pos.kv, sinks, plan)
+    return _sharded(q, k, v, MaskIds(pos.q, pos.kv, qs, ks), sinks, plan)

@@ -16,14 +16,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ringattn._blocks import window_table
-from ringattn._blockwise import BlockSizes, head_windows, local_attention
+from ringattn._blocks import MaskIds
+from ringattn._blockwise import BlockSizes, head_windows, local_attention, with_window_table
 from ringattn._formats import KVFormat
 from ringattn._layout import from_layout, to_layout
 from ringattn._online_softmax import apply_sinks
 from ringattn._options import MaskSpec, arange_positions
 from ringattn._pallas import pallas_attention
-from ringattn._ring import ring_local
+from ringattn._ring import RingOptions, ring_local
 from ringattn._ring_pallas import shard_pallas_config
 from ringattn._varying import cast_varying, varying_axes
 
@@ -82,51 +82,43 @@ def _windows(plan: Plan, start, count: int):
     return lax.dynamic_slice_in_dim(every, start, count)
 
 
-def _attend_local(q, k, v, qs, ks, qp, kp, windows, plan: Plan, layout: str = "contiguous"):
-    """Local attention; ``layout``: the order of the local queries (Pallas block clamping)."""
+def _attend_local(q, k, v, ids: MaskIds, plan: Plan, layout: str = "contiguous"):
+    """Local attention; ``ids.windows``: the ``[N]`` windows of the local query heads, or
+    None; ``layout``: the order of the local queries (Pallas block clamping)."""
     if plan.impl == "pallas":
         (B, T, N, H), (S, K) = q.shape, k.shape[1:3]
         cfg = shard_pallas_config(plan.mask, H, N // K, T, S, plan.block_sizes, layout)
-        table = None if windows is None else window_table(windows, B, K)
         # The custom VJP's cotangents vary like the kernels' outputs: cast the inputs alike.
-        args = (q, k, v, qp, kp, qs, ks, table)
+        args = (q, k, v, with_window_table(ids, B, K))
         return pallas_attention(*cast_varying(args, varying_axes(*args)), cfg)
     sizes = plan.block_sizes or BlockSizes()
-    return local_attention(q, k, v, qp, kp, qs, ks, windows, plan.mask, sizes)
+    return local_attention(q, k, v, ids, plan.mask, sizes)
 
 
-def _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan: Plan):
-    return ring_local(
-        q,
-        k,
-        v,
-        qp,
-        kp,
-        qs,
-        ks,
-        windows,
-        plan.mask,
-        plan.layout,
-        plan.block_sizes,
-        plan.seq_axis,
+def _attend_ring(q, k, v, ids: MaskIds, plan: Plan):
+    ring = RingOptions(
+        layout=plan.layout,
+        seq_axis=plan.seq_axis,
+        block_sizes=plan.block_sizes,
         hop_format=plan.hop_format,
         hops=plan.ring_hops,
         impl=plan.impl,
     )
+    return ring_local(q, k, v, ids, plan.mask, ring)
 
 
 def _gather(x, axis_name, axis: int = 1):
     return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
-def _allgather_body(q, k, v, qs, ks, qp, kp, head_start, plan: Plan):
+def _allgather_body(q, k, v, ids: MaskIds, head_start, plan: Plan):
     a = plan.seq_axis
-    k, v, ks, kp = (_natural(_gather(x, a), plan) for x in (k, v, ks, kp))
-    windows = _windows(plan, head_start, q.shape[2])
-    return _attend_local(q, k, v, qs, ks, qp, kp, windows, plan, plan.layout)
+    k, v, ks, kp = (_natural(_gather(x, a), plan) for x in (k, v, ids.kv_seg, ids.kv_pos))
+    ids = ids._replace(kv_pos=kp, kv_seg=ks, windows=_windows(plan, head_start, q.shape[2]))
+    return _attend_local(q, k, v, ids, plan, plan.layout)
 
 
-def _ulysses_body(q, k, v, qs, ks, qp, kp, head_start, plan: Plan):
+def _ulysses_body(q, k, v, ids: MaskIds, head_start, plan: Plan):
     """Sequence-sharded → head-sharded, attend over the full (ring-local) sequence, and back."""
     u = plan.ulysses_axis if plan.strategy == "usp" else plan.seq_axis
     if plan.kv_repeat > 1:
@@ -140,27 +132,32 @@ def _ulysses_body(q, k, v, qs, ks, qp, kp, head_start, plan: Plan):
         return lax.all_to_all(x, u, split_axis=1, concat_axis=2, tiled=True)
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    qs, ks, qp, kp = (_gather(x, u) for x in (qs, ks, qp, kp))
-    windows = _windows(plan, head_start + lax.axis_index(u) * q.shape[2], q.shape[2])
+    ids = MaskIds(*(_gather(x, u) for x in ids[:4]))
+    ids = ids._replace(
+        windows=_windows(plan, head_start + lax.axis_index(u) * q.shape[2], q.shape[2])
+    )
     if plan.strategy == "usp":
-        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan)
+        out, lse = _attend_ring(q, k, v, ids, plan)
     else:
-        q, k, v, qs, ks, qp, kp = (_natural(x, plan) for x in (q, k, v, qs, ks, qp, kp))
-        out, lse = _attend_local(q, k, v, qs, ks, qp, kp, windows, plan)
+        q, k, v = (_natural(x, plan) for x in (q, k, v))
+        ids = ids._replace(**{f: _natural(getattr(ids, f), plan) for f in ids._fields[:4]})
+        out, lse = _attend_local(q, k, v, ids, plan)
         out, lse = permuted(out, plan), permuted(lse, plan)
     return to_sequence(out), to_sequence(lse)
 
 
-def body(q, k, v, qs, ks, qp, kp, sinks, *, plan: Plan):
+def body(q, k, v, ids: MaskIds, sinks, *, plan: Plan):
+    """The ``shard_map`` body: ``ids`` hold the local shard's positions and segments
+    (positions None under ring and USP: the layout's defaults)."""
     # First global query head held here (heads are split over head_axis, in order).
     head_start = 0 if plan.head_axis is None else lax.axis_index(plan.head_axis) * q.shape[2]
     if plan.strategy == "ring":
-        windows = _windows(plan, head_start, q.shape[2])
-        out, lse = _attend_ring(q, k, v, qs, ks, qp, kp, windows, plan)
+        ids = ids._replace(windows=_windows(plan, head_start, q.shape[2]))
+        out, lse = _attend_ring(q, k, v, ids, plan)
     elif plan.strategy == "allgather":
-        out, lse = _allgather_body(q, k, v, qs, ks, qp, kp, head_start, plan)
+        out, lse = _allgather_body(q, k, v, ids, head_start, plan)
     else:
-        out, lse = _ulysses_body(q, k, v, qs, ks, qp, kp, head_start, plan)
+        out, lse = _ulysses_body(q, k, v, ids, head_start, plan)
     return apply_sinks(out, lse, sinks)  # once, on the complete attention of each row
 
 

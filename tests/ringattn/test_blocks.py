@@ -13,6 +13,7 @@ from ringattn._blocks import (
     FULL,
     PARTIAL,
     KernelConfig,
+    MaskIds,
     Summaries,
     grouped_visit_orders,
     kv_cols_blocks,
@@ -164,7 +165,7 @@ def test_kinds_table_matches_each_pair(mask, segments):
     if mask.per_head:
         windows = jnp.asarray([[[3], [0]]] * B, jnp.int32)  # [B, K=2, G=1]
     cfg = KernelConfig(mask=mask, scale=1.0, block_q=bq, block_kv=bk, kv_len=S)
-    summ = Summaries(q_pos, kv_pos, q_seg, kv_seg, bq, bk, windows, None)
+    summ = Summaries(MaskIds(q_pos, kv_pos, q_seg, kv_seg, windows), bq, bk, None)
     nq, nk = T // bq, (S + 4) // bk
     table = np.asarray(summ.kinds(cfg, nq, nk))
     assert table.shape == (nq, nk)

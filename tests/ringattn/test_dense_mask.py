@@ -22,7 +22,7 @@ from ringattn import (
     sharded_attention,
     sharded_decode_attention,
 )
-from ringattn._blocks import EMPTY, FULL, PARTIAL, Summaries
+from ringattn._blocks import EMPTY, FULL, PARTIAL, MaskIds, Summaries
 from tests._util import assert_close, make_test_mesh
 
 
@@ -100,7 +100,7 @@ def test_block_classification_comes_from_the_mask():
     a[4:, 0] = True  # block (1, 0): partial
     dense = DenseMask(a)  # blocks (0, 1), (1, 1): empty
     pos = jnp.arange(8, dtype=jnp.int32)[None]
-    summ = Summaries(pos, pos, None, None, 4, 4, None, dense)
+    summ = Summaries(MaskIds(pos, pos), 4, 4, dense)
     from ringattn._heads_major import make_kernel_config
 
     cfg, _, _ = make_kernel_config(MaskSpec(dense=dense), 8, 8, 8, 4, 4)

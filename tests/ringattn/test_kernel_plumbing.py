@@ -155,6 +155,7 @@ def test_forward_query_groups_match_reference(nq, G, mask):
 def test_forward_query_groups_fold_several_key_sets(nq, G):
     """A state carried over key sets (as a ring's hops) is read and written in the groups'
     row order: two causal key sets folded one after the other equal attention over both."""
+    from ringattn._blocks import MaskIds
     from ringattn._heads_major import kv_to_heads_major, make_kernel_config, q_to_groups
     from ringattn._kernels_forward import init_forward_state, update_forward_heads_major
     from ringattn._online_softmax import finalize_online_softmax
@@ -175,8 +176,8 @@ def test_forward_query_groups_fold_several_key_sets(nq, G):
         for half in range(2):
             part = slice(half * T, (half + 1) * T)
             kh, vh = kv_to_heads_major(k[:, part], T), kv_to_heads_major(v[:, part], T)
-            args = (q_pos, kv_pos[:, part], None, None, None)
-            state = update_forward_heads_major(state, qg, kh, vh, *args, cfg)
+            ids = MaskIds(q_pos, kv_pos[:, part])
+            state = update_forward_heads_major(state, qg, kh, vh, ids, cfg)
         return finalize_online_softmax(state)
 
     out, lse = folded(qg, k, v)  # [B, K, G, T, H], [B, K, G, T]

@@ -169,7 +169,7 @@ def test_kernels_lower_to_triton_for_cuda_without_a_gpu():
     # Triton IR to PTX and running it needs a GPU and is not checked here.
     from jax import export
 
-    from ringattn._blocks import window_table
+    from ringattn._blocks import MaskIds, window_table
     from ringattn._pallas import pallas_attention
     from ringattn._pallas_common import PallasConfig
 
@@ -180,7 +180,7 @@ def test_kernels_lower_to_triton_for_cuda_without_a_gpu():
     table = window_table(np.asarray([64, 0, 128, 32, 64, 0, 128, 32], np.int32), B, K)
 
     def loss(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-        out, lse = pallas_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+        out, lse = pallas_attention(q, k, v, MaskIds(q_pos, kv_pos, q_seg, kv_seg, table), cfg)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     shapes = [

@@ -25,7 +25,7 @@ from ringattn import (
     attention_reference,
     blockwise_attention,
 )
-from ringattn._blocks import window_table
+from ringattn._blocks import MaskIds, window_table
 from ringattn._blockwise import make_pallas_config, resolve_impl
 from ringattn._mosaic_blocks import mosaic_blocks
 from ringattn._pallas import kernel_calls, pallas_attention
@@ -114,7 +114,7 @@ def _tpu_export(cfg, table, B, T, S, N, K, H):
     from jax import export
 
     def loss(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-        out, lse = pallas_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, table, cfg)
+        out, lse = pallas_attention(q, k, v, MaskIds(q_pos, kv_pos, q_seg, kv_seg, table), cfg)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     shapes = [
@@ -153,7 +153,8 @@ def test_vmapped_kernels_lower_to_mosaic_for_tpu():
 
     def loss(q, k, v, q_pos, kv_pos):
         one = lambda x: x[None]
-        out, lse = pallas_attention(*map(one, (q, k, v, q_pos, kv_pos)), None, None, None, cfg)
+        q, k, v, q_pos, kv_pos = map(one, (q, k, v, q_pos, kv_pos))
+        out, lse = pallas_attention(q, k, v, MaskIds(q_pos, kv_pos), cfg)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     shapes = [

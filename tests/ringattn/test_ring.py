@@ -30,7 +30,7 @@ from ringattn import (
     shard_positions,
     to_layout,
 )
-from ringattn._blocks import Summaries
+from ringattn._blocks import MaskIds, Summaries
 from ringattn._heads_major import make_kernel_config
 from ringattn._ring_hops import _layout_block_sizes
 from tests._util import assert_close, count_executed, make_test_mesh
@@ -294,7 +294,7 @@ def _live_block_pairs(layout: str, n: int, local: int, sizes=None) -> np.ndarray
         for t in range(n):
             q_pos = shard_positions(layout, i, n, local)[None]
             kv_pos = shard_positions(layout, (i - t) % n, n, local)[None]
-            summaries = Summaries(q_pos, kv_pos, None, None, block, block, None, None)
+            summaries = Summaries(MaskIds(q_pos, kv_pos), block, block, None)
             live[i, t] = int(np.sum(np.asarray(summaries.kind(cfg, rows, cols)) != 0))
     return live
 
