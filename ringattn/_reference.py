@@ -109,12 +109,14 @@ def attention_reference(
         bias = check_logit_term(fn, "bias", jnp.asarray(bias), (B, N, T, S), boolean=False)
     q_pos = arange_positions(B, T) if pos.q is None else pos.q
     kv_pos = arange_positions(B, S) if pos.kv is None else pos.kv
-    out, lse = _reference(q, k, v, q_pos, kv_pos, seg, bias, spec)
+    out, lse = _reference(q, k, v, Positions(q_pos, kv_pos), seg, bias, spec)
     return apply_sinks(out, lse, sinks)
 
 
-@functools.partial(jax.jit, static_argnums=(7,))
-def _reference(q, k, v, q_pos, kv_pos, seg, bias, spec: MaskSpec):
+@functools.partial(jax.jit, static_argnums=(6,))
+def _reference(q, k, v, pos: Positions, seg, bias, spec: MaskSpec):
+    """Dense attention on validated inputs, ``pos`` both given (``[B, T]`` / ``[B, S]``)."""
+    q_pos, kv_pos = pos
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
