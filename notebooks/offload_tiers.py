@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 import offload
+import offload.monitoring
 import paged
 import ringattn
 
@@ -198,7 +199,7 @@ for kind in tqdm(offload.POLICY_KINDS, desc="policies"):
         approx = offload.mixed_residency_attention(
             q_test, k_pages, v_pages, device_table, cache.lengths
         )
-        kept = offload.mass_kept_from_page_mass(full.page_mass, keep)  # [B, N]
+        kept = offload.monitoring.mass_kept_from_page_mass(full.page_mass, keep)  # [B, N]
         mass_kept[kind].append(float(jnp.mean(kept)))
         rel = jnp.linalg.norm(approx.out - full.out) / jnp.linalg.norm(full.out)
         output_error[kind].append(float(rel))

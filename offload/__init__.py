@@ -38,11 +38,7 @@ imports them; their former top-level names (``offload.plan``, ``offload.to_prome
 location.
 """
 
-from offload._attention_mass import (
-    mass_kept_from_lse,
-    mass_kept_from_page_mass,
-    token_attention_mass,
-)
+from offload._attention_mass import token_attention_mass
 from offload._disk import CorruptCacheError, DiskStore
 from offload._host_pool import HostPagePool, make_host_page_pool
 from offload._manager import OffloadManager
@@ -59,8 +55,6 @@ from offload._retention import POLICY_KINDS, RetentionPolicy, budget_units
 from offload._shared_pages import keep_shared_pages
 from offload._staging import make_staging_pool, staging_table
 from offload._stats import (
-    DIRECTIONS,
-    TIERS,
     OffloadSnapshot,
     OffloadStats,
     TransferTotals,
@@ -86,21 +80,17 @@ __all__: list[str] = [
     "update_policy_state_reference",
     # decode over mixed residency
     "MixedAttention",
-    "mass_kept_from_lse",
-    "mass_kept_from_page_mass",
     "make_staging_pool",
     "mixed_residency_attention",
     "split_residency",
     "staging_table",
     # tiers, host pool, disk, accounting
     "CorruptCacheError",
-    "DIRECTIONS",
     "DiskStore",
     "HostPagePool",
     "OffloadManager",
     "OffloadSnapshot",
     "OffloadStats",
-    "TIERS",
     "TransferHandle",
     "TransferTotals",
     "host_memory_kind",
@@ -136,6 +126,8 @@ _PLANNING = (
     "plan",
 )
 _MONITORING = (
+    "mass_kept_from_lse",
+    "mass_kept_from_page_mass",
     "METRIC_FAMILIES",
     "PROMETHEUS_CONTENT_TYPE",
     "Alert",
@@ -167,6 +159,11 @@ _MOVED = (
 
 def __getattr__(name: str):
     """Names that moved to a subpackage fail with their new location (nothing is imported)."""
+    if name in ("TIERS", "DIRECTIONS"):
+        raise AttributeError(
+            f"offload.{name} moved to offload.OffloadStats.{name} (the names OffloadStats "
+            "accepts; see the migration table in CHANGELOG.md)"
+        )
     if name in _MOVED:
         sub = _MOVED[name]
         raise AttributeError(

@@ -28,8 +28,6 @@ from offload._host_pool import check_pool, leaves
 from paged import QuantizedPages
 
 __all__ = [
-    "DIRECTIONS",
-    "TIERS",
     "OffloadSnapshot",
     "OffloadStats",
     "TransferTotals",
@@ -135,8 +133,8 @@ class OffloadSnapshot:
     """An immutable, consistent copy of an :class:`OffloadStats` (see :meth:`OffloadStats.snapshot`).
 
     Attributes:
-      transfers: :data:`DIRECTIONS` -> :class:`TransferTotals` (read-only mapping).
-      tier_bytes: :data:`TIERS` -> bytes resident, all requests (read-only mapping).
+      transfers: :attr:`OffloadStats.DIRECTIONS` -> :class:`TransferTotals` (read-only mapping).
+      tier_bytes: :attr:`OffloadStats.TIERS` -> bytes resident, all requests (read-only mapping).
       num_requests: request ids with any tier bytes recorded.
     """
 
@@ -148,12 +146,20 @@ class OffloadSnapshot:
 class OffloadStats:
     """Bytes per tier and transfer totals per direction (host-side, mutable, thread-safe).
 
+    Attributes:
+      TIERS: the tiers it counts bytes of, ``("device", "host", "disk")``.
+      DIRECTIONS: the transfer directions it totals, ``("device_to_host", "host_to_device",
+        "host_to_disk", "disk_to_host")``.
+
     Example:
       >>> stats = OffloadStats()
       >>> stats.record_transfer("device_to_host", 1 << 20, 0.001, request_id="r1")
       >>> stats.transfers("device_to_host").count
       1
     """
+
+    TIERS: tuple[str, ...] = TIERS
+    DIRECTIONS: tuple[str, ...] = DIRECTIONS
 
     def __init__(self):
         self._totals = {d: TransferTotals() for d in DIRECTIONS}
@@ -187,7 +193,7 @@ class OffloadStats:
         """Records a completed transfer.
 
         Args:
-          direction: one of :data:`DIRECTIONS`.
+          direction: one of :attr:`OffloadStats.DIRECTIONS`.
           nbytes: bytes moved, >= 0.
           seconds: issue-to-completion time, >= 0.
           request_id: the request the bytes belong to (kept per request too).

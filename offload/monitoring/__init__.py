@@ -10,6 +10,9 @@ time; :func:`to_prometheus` prints the dict as a Prometheus scrape page (familie
 :data:`METRIC_FAMILIES`, served as :data:`PROMETHEUS_CONTENT_TYPE`).
 :func:`find_high_cardinality_spans` finds the prompt spans that defeat prefix sharing and
 :func:`replay_hit_rate` replays prompts through a fresh ``paged.PageAllocator``.
+:func:`mass_kept_from_lse` and :func:`mass_kept_from_page_mass` measure the share of the
+attention mass that retention kept (``offload.mixed_residency_attention`` reports it as
+``mass_kept``).
 
 Shape legend (as in ``ringattn``, ``paged`` and ``offload``):
 
@@ -21,6 +24,7 @@ C     tokens per page (``page_size``)
 ====  ==========================================
 """
 
+from offload._attention_mass import mass_kept_from_lse, mass_kept_from_page_mass
 from offload.monitoring._metric_families import METRIC_FAMILIES
 from offload.monitoring._monitor import Monitor
 from offload.monitoring._monitoring import (
@@ -55,6 +59,8 @@ __all__: list[str] = [
     "compute_metrics",
     "escape_label_value",
     "find_high_cardinality_spans",
+    "mass_kept_from_lse",
+    "mass_kept_from_page_mass",
     "replay_hit_rate",
     "to_prometheus",
 ]

@@ -30,10 +30,12 @@ import dataclasses
 import itertools
 from typing import NamedTuple
 
-from offload import DIRECTIONS, TIERS, OffloadSnapshot, OffloadStats
+from offload import OffloadSnapshot, OffloadStats
 from offload._checks import check_float, check_int
 from offload.monitoring._metric_families import METRIC_PREFIX
 from paged import AllocatorStats
+
+DIRECTIONS, TIERS = OffloadStats.DIRECTIONS, OffloadStats.TIERS
 
 __all__ = ["Alert", "MetricsConfig", "MetricsReport", "MetricsSnapshot", "compute_metrics"]
 

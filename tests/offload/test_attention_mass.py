@@ -1,12 +1,13 @@
-"""Attention-mass helpers: token mass against the reference's probabilities, masked keys
-without effect, and the mass-kept fractions."""
+"""Token attention mass (the H2O / TOVA input of a contiguous cache) against the reference's
+probabilities, masked keys without effect (the mass-kept fractions, monitoring's, are in
+tests/offload/monitoring/test_mass_kept.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from offload import mass_kept_from_lse, mass_kept_from_page_mass, token_attention_mass
+from offload import token_attention_mass
 from ringattn import Positions, SegmentIds, attention_reference
 from tests._util import assert_close
 
@@ -53,22 +54,3 @@ def test_masked_keys_have_no_effect_even_when_nan(causal):
     dirty = token_attention_mass(q, dirty_k, lengths, q_positions=q_positions, causal=causal)
     np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
     assert not np.asarray(dirty)[np.broadcast_to(hidden[:, None], dirty.shape)].any()
-
-
-def test_mass_kept_helpers():
-    lse_full = jnp.array([0.0, -jnp.inf, 1.0])
-    lse_kept = jnp.array([jnp.log(0.25), -jnp.inf, -jnp.inf])
-    np.testing.assert_allclose(np.asarray(mass_kept_from_lse(lse_kept, lse_full)), [0.25, 1, 0])
-    pm = jnp.array([[[0.5, 0.25, 0.25], [0.0, 0.0, 0.0]]])
-    keep = jnp.array([[True, False, True]])
-    np.testing.assert_allclose(np.asarray(mass_kept_from_page_mass(pm, keep)), [[0.75, 1.0]])
-
-
-@pytest.mark.no_typecheck
-def test_mass_kept_errors():
-    with pytest.raises(ValueError, match="mass_kept_from_lse: lse_kept: expected lse_full's shape"):
-        mass_kept_from_lse(jnp.zeros(2), jnp.zeros(3))
-    with pytest.raises(
-        ValueError, match=r"mass_kept_from_page_mass: page_mass: expected \[B, N, M\]"
-    ):
-        mass_kept_from_page_mass(jnp.zeros((2, 3)), jnp.ones((1, 3), bool))

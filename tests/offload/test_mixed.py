@@ -11,14 +11,13 @@ import paged
 from offload import (
     RetentionPolicy,
     init_policy_state,
-    mass_kept_from_lse,
-    mass_kept_from_page_mass,
     mixed_residency_attention,
     select_keep,
     split_residency,
     token_attention_mass,
     update_policy_state,
 )
+from offload.monitoring import mass_kept_from_page_mass
 from ringattn import MaskSpec, Positions, SegmentIds, attention_reference
 from tests._util import assert_close
 
@@ -214,13 +213,8 @@ def test_page_mass_feeds_policies():
     assert np.all(np.asarray(sel2.keep.sum(-1)) == np.minimum(2, -(-LENGTHS // C)))
 
 
-def test_mass_kept_helpers():
-    lse_full = jnp.array([0.0, -jnp.inf, 1.0])
-    lse_kept = jnp.array([jnp.log(0.25), -jnp.inf, -jnp.inf])
-    np.testing.assert_allclose(np.asarray(mass_kept_from_lse(lse_kept, lse_full)), [0.25, 1, 0])
-    pm = jnp.array([[[0.5, 0.25, 0.25], [0.0, 0.0, 0.0]]])
+def test_split_residency_keep_wins_an_overlap():
     keep = jnp.array([[True, False, True]])
-    np.testing.assert_allclose(np.asarray(mass_kept_from_page_mass(pm, keep)), [[0.75, 1.0]])
     d, c = split_residency(jnp.array([[3, 5, 7]]), keep, jnp.array([[True, True, False]]))
     assert d.tolist() == [[3, 0, 7]] and c.tolist() == [[0, 5, 0]]  # keep wins an overlap
 
@@ -272,10 +266,6 @@ def test_errors():
         split_residency(table.astype(jnp.float32), keep, keep)
     with pytest.raises(ValueError, match="demote: expected bool"):
         split_residency(table, keep, keep.astype(jnp.int32))
-    with pytest.raises(ValueError, match="lse_kept: expected lse_full's shape"):
-        mass_kept_from_lse(jnp.zeros(2), jnp.zeros(3))
-    with pytest.raises(ValueError, match=r"page_mass: expected \[B, N, M\]"):
-        mass_kept_from_page_mass(jnp.zeros((2, 3)), keep)
 
 
 @pytest.mark.parametrize("jit", [False, True])

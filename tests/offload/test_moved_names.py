@@ -35,16 +35,26 @@ def test_a_moved_name_is_public_in_its_subpackage(name, sub):
 
 def test_the_subpackages_export_exactly_the_moved_names():
     assert offload._MOVED == dict(MOVED)  # the core's mirror of the subpackages' names
-    assert len(MOVED) == 36 and not set(offload.__all__) & set(offload._MOVED)
+    assert len(MOVED) == 38 and not set(offload.__all__) & set(offload._MOVED)
 
 
 def test_the_core_keeps_its_names_and_offload_snapshot():
     # 35 after the split, plus the five serving helpers of issue 29 (shared pages, staging,
-    # measured bytes): the core's concerns. Query-aware retrieval (issue 31) is its own
-    # subpackage.
-    assert len(offload.__all__) <= 40
+    # measured bytes): the core's concerns; query-aware retrieval (issue 31) is its own
+    # subpackage, the mass-kept metrics are monitoring's, and TIERS / DIRECTIONS are
+    # attributes of OffloadStats: 36.
+    assert len(offload.__all__) <= 36
     assert "OffloadSnapshot" in offload.__all__  # what OffloadStats.snapshot() returns
     assert offload.OffloadStats().snapshot().__class__ is offload.OffloadSnapshot
+
+
+@pytest.mark.parametrize("name", ["TIERS", "DIRECTIONS"])
+def test_tiers_and_directions_are_attributes_of_offload_stats(name):
+    with pytest.raises(AttributeError, match=rf"offload\.{name} moved to offload\.OffloadStats"):
+        getattr(offload, name)
+    assert name not in offload.__all__
+    assert getattr(offload.OffloadStats, name) == getattr(offload.OffloadStats(), name)
+    assert len(getattr(offload.OffloadStats, name)) in (3, 4)
 
 
 def test_an_unknown_name_is_a_plain_attribute_error():

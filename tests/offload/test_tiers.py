@@ -8,7 +8,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from offload import (
-    DIRECTIONS,
     OffloadStats,
     TransferHandle,
     host_memory_kind,
@@ -186,7 +185,7 @@ def test_stats_accounting():
     assert stats.requests() == ["r1", "r2"]
     snapshot = stats.as_dict()
     assert snapshot["requests"]["r2"]["host"] == 32
-    assert set(snapshot["transfers"]) == set(DIRECTIONS)
+    assert set(snapshot["transfers"]) == set(OffloadStats.DIRECTIONS)
     assert "| host_to_disk | 1 | 50 |" in stats.to_markdown()
     assert stats.transfers("disk_to_host").gib_per_second == 0.0
     stats.record_transfer("disk_to_host", np.int64(8), np.float32(0.5))  # numpy scalars
