@@ -1,11 +1,9 @@
-"""Attention-mass helpers: what policies rank by, and how much of the mass a selection keeps.
+"""Token attention mass, what H2O and TOVA rank a contiguous cache by.
 
-* :func:`token_attention_mass`: dense attention probability per query head and key token
-  (the token-granular counterpart of ``paged``'s ``page_mass``), the observation a policy
-  folds into its scores;
-* :func:`mass_kept_from_lse`: the exact fraction of the attention mass on kept keys, from two
-  log-sum-exps;
-* :func:`mass_kept_from_page_mass`: the same fraction estimated from an observed page mass.
+:func:`token_attention_mass`: dense attention probability per query head and key token (the
+token-granular counterpart of ``paged``'s ``page_mass``), the observation a policy folds into
+its scores. How much of the mass a selection keeps is measured by
+``offload.monitoring.mass_kept_from_lse`` and ``mass_kept_from_page_mass``.
 """
 
 import functools
@@ -13,11 +11,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from offload._checks import check_array, check_float, check_lengths
 
-__all__ = ["mass_kept_from_lse", "mass_kept_from_page_mass", "token_attention_mass"]
+__all__ = ["token_attention_mass"]
 
 
 def token_attention_mass(
@@ -102,70 +100,3 @@ def _token_mass_impl(q, k, lengths, q_positions, *, causal, scale):
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0.0, 1.0, denom)
     return jnp.sum(p, axis=3).reshape(B, N, S)  # [B, K, G, S] -> [B, N, S]
-
-
-def mass_kept_from_lse(
-    lse_kept: Float[Array, "*R"], lse_full: Float[Array, "*R"]
-) -> Float[Array, "*R"]:
-    """Fraction of the attention mass in the kept keys: ``exp(lse_kept - lse_full)``.
-
-    Jittable as is: ``jax.jit(mass_kept_from_lse)`` (no options).
-
-    Args:
-      lse_kept: log-sum-exp over the kept keys (``-inf`` when none).
-      lse_full: log-sum-exp over all keys (``>= lse_kept``), same shape.
-
-    Returns:
-      float32 in ``[0, 1]``; 1 where the row has no key at all (nothing was lost).
-
-    Raises:
-      ValueError: if the shapes differ.
-
-    Example:
-      >>> float(mass_kept_from_lse(jnp.log(jnp.array(0.25)), jnp.array(0.0)))
-      0.25
-    """
-    if lse_kept.shape != lse_full.shape:
-        raise ValueError(
-            f"mass_kept_from_lse: lse_kept: expected lse_full's shape {tuple(lse_full.shape)}, "
-            f"got {tuple(lse_kept.shape)}"
-        )
-    lse_kept = lse_kept.astype(jnp.float32)
-    lse_full = lse_full.astype(jnp.float32)
-    empty = jnp.isneginf(lse_full)
-    frac = jnp.exp(lse_kept - jnp.where(empty, 0.0, lse_full))
-    return jnp.where(empty, 1.0, jnp.clip(frac, 0.0, 1.0))
-
-
-def mass_kept_from_page_mass(
-    page_mass: Float[Array, "B N M"], keep: Bool[Array, "B M"]
-) -> Float[Array, "B N"]:
-    """Fraction of an observed attention mass that falls on kept slots.
-
-    Jittable as is: ``jax.jit(mass_kept_from_page_mass)`` (no options).
-
-    Args:
-      page_mass: ``[B, N, M]`` attention mass per query head and page-table slot (the
-        ``page_mass`` of a paged attention over all pages, e.g. the previous step's).
-      keep: ``[B, M]`` bool kept slots.
-
-    Returns:
-      ``[B, N]`` float32 in ``[0, 1]``; 1 where the observed mass is 0.
-
-    Raises:
-      ValueError: if ``page_mass`` is not ``[B, N, M]`` with ``keep``'s ``B`` and ``M``.
-
-    Example:
-      >>> pm = jnp.array([[[0.5, 0.25, 0.25]]])
-      >>> mass_kept_from_page_mass(pm, jnp.array([[True, False, True]])).tolist()
-      [[0.75]]
-    """
-    if page_mass.ndim != 3 or keep.ndim != 2 or page_mass.shape[::2] != keep.shape:
-        raise ValueError(
-            "mass_kept_from_page_mass: page_mass: expected [B, N, M] with keep's [B, M] "
-            f"{tuple(keep.shape)}, got {tuple(page_mass.shape)}"
-        )
-    page_mass = page_mass.astype(jnp.float32)
-    total = jnp.sum(page_mass, axis=-1)
-    kept = jnp.sum(jnp.where(keep[:, None, :], page_mass, 0.0), axis=-1)
-    return jnp.where(total > 0, kept / jnp.where(total > 0, total, 1.0), 1.0)

@@ -181,7 +181,7 @@ def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, heads=
         q_b, pos_b, valid_b, row_b, len_b, b = args
         k_b, v_b = sequence_view(k_pages, b), sequence_view(v_pages, b)
         out, lse, mass = attend_sequence(
-            q_b, pos_b, valid_b, row_b, len_b, k_b, v_b, opts=opts, heads=heads
+            (q_b, pos_b, valid_b), row_b, len_b, (k_b, v_b), opts=opts, heads=heads
         )
         mass = mass[:, :, :M].transpose(1, 0, 2) if mass is not None else None  # [T, N, M]
         return out, lse, mass

@@ -117,18 +117,17 @@ def take_block(pool, ids, span: int, heads=None):
     return pick(pool).reshape(K, span, H)
 
 
-def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages, *, opts,
-                    heads=None):  # fmt: skip
+def attend_sequence(rows, table_row, length, pools, *, opts, heads=None):
     """Attention of ``R`` query rows of one sequence over its pages.
 
     Args:
-      q_rows: ``[R, N, H]`` queries.
-      q_pos: ``[R]`` int32 positions of the queries.
-      q_valid: ``[R]`` bool; invalid rows see nothing.
+      rows: ``(q_rows [R, N, H], q_pos [R] int32, q_valid [R] bool)``: the queries, their
+        positions, and which are valid (invalid rows see nothing).
       table_row: ``[M']`` int32 page ids, ``M'`` a multiple of ``pages_per_block``.
       length: scalar int32, number of valid tokens of the sequence.
-      k_pages, v_pages: ``[K, P, C, H]`` pools (float arrays or ``QuantizedPages``), or with
-        ``heads``, stacks ``[L * K, P, C, H]`` of every layer's heads.
+      pools: ``(k_pages, v_pages)``: ``[K, P, C, H]`` pools (float arrays or
+        ``QuantizedPages``), or with ``heads``, stacks ``[L * K, P, C, H]`` of every layer's
+        heads.
       opts: :class:`KernelOptions`.
       heads: ``[K]`` int32 rows of the stacks to read (one layer's heads), or None.
 
@@ -136,6 +135,7 @@ def attend_sequence(q_rows, q_pos, q_valid, table_row, length, k_pages, v_pages,
       ``out [R, N, H]`` float32, ``lse [R, N]`` float32, and ``page_mass [N, R, M']`` (the
       probability each page received per query row) or None.
     """
+    (q_rows, q_pos, q_valid), (k_pages, v_pages) = rows, pools
     _, P, C, H = k_pages.shape
     K = k_pages.shape[0] if heads is None else heads.shape[0]
     R, N, _ = q_rows.shape

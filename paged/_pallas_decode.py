@@ -6,23 +6,18 @@ Layout. The ``T`` query tokens and the ``G`` query heads of one kv head are stac
 one 2-D product ``[R, H] x [C, H]^T`` against ``k_pages[k, page] [C, H]``. Row positions
 come as ``[B, R, 1]`` int32 (padding rows: ``-1``), per-head windows as ``[K, R, 1]``.
 
-Two variants share one page step (:func:`_visit_page`: logits, mask, float32 online softmax)
-and its finish:
+Two variants share one page step (:func:`_visit_page`: logits, mask, float32 online softmax):
 
-* ``"gpu"`` (the Triton lowering; on CPU ``interpret=True``): grid ``(B, K, splits)``; split
-  ``s`` owns the pages ``s * pages_per_block ...`` of its sequence and walks them with a
-  ``fori_loop``, ``PAGES_PER_LOAD`` pages a step: it reads each page id from the table and
-  loads ``k_ref[page]`` in the kernel (a dynamic load from the head's ``[P, C, H]`` pool),
-  all of the step's loads before its folds. A split with no live page is
-  skipped by ``pl.when`` and writes ``(0, -inf)``; the splits' partial ``(out, lse)`` are
-  merged in XLA (flash-decoding), so short batches still fill the GPU.
-* ``"tpu"`` (Mosaic; on CPU ``pltpu.InterpretParams()``): ``PrefetchScalarGridSpec`` with
-  the block ranges, lengths and the flattened table in SMEM; grid ``(B, K, page blocks)``,
-  the last axis sequential. Each step gets ``pages_per_block`` ``[C, H]`` page blocks of
-  ``k`` and of ``v`` through BlockSpecs whose index maps read the page ids from the
-  prefetched table; the online-softmax state lives in VMEM scratch across the steps. Blocks
-  outside the live range are skipped by ``pl.when`` and their index maps clamp to a live
-  block, so they fetch nothing new.
+* ``"gpu"`` (Triton; on CPU ``interpret=True``): grid ``(B, K, splits)``; split ``s`` walks
+  the pages ``s * pages_per_block ...`` of its sequence in a ``fori_loop``, ``PAGES_PER_LOAD``
+  a step, loading ``k_ref[page]`` in the kernel (all of a step's loads before its folds). A
+  split with no live page writes ``(0, -inf)``; the splits' ``(out, lse)`` are merged in XLA
+  (flash-decoding), so short batches still fill the GPU.
+* ``"tpu"`` (Mosaic; on CPU ``pltpu.InterpretParams()``): ``PrefetchScalarGridSpec`` with the
+  block ranges, lengths and table in SMEM; grid ``(B, K, page blocks)``, the last sequential.
+  Each step gets ``pages_per_block`` ``[C, H]`` blocks of ``k`` and ``v`` through BlockSpecs
+  whose index maps read the page ids from the table; the state lives in VMEM scratch. Blocks
+  outside the live range are skipped and their index maps clamp to a live block.
 
 Safety, as in the XLA page walk (:mod:`paged._page_walk`): a key is visible only below
 ``lengths[b]`` on a real page ``0 < id < P``; other ids are clamped to the null page before
@@ -33,6 +28,7 @@ any product, so NaN garbage there reaches no result. A row that sees no key gets
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,15 +92,8 @@ def decode_config(fn: str, opts, C: int, H: int, variant: str, interpret: bool) 
                     f"{fn}: impl='pallas' on GPU needs {name} to be a power of two >= 16 "
                     f"(Triton block shapes), got {size}; use impl='xla'"
                 )
-    return DecodeConfig(
-        scale=opts.scale,
-        causal=opts.causal,
-        window=opts.window,
-        softcap=opts.softcap,
-        pages_per_block=opts.pages_per_block,
-        variant=variant,
-        interpret=interpret,
-    )
+    fields = (opts.scale, opts.causal, opts.window, opts.softcap, opts.pages_per_block)
+    return DecodeConfig(*fields, variant=variant, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------- shared body
@@ -119,13 +108,30 @@ def _init_state(R: int, H: int):
     )
 
 
-def _visit_page(cfg: DecodeConfig, q, k, v, q_pos, win, page_ok, start, length, state):
-    """Folds one page into the online softmax of ``R`` rows.
+class _Rows(NamedTuple):
+    """Query rows ``q [..., R, H]``, positions ``pos [..., R, 1]``, windows ``win`` or None."""
 
-    ``q [R, H]``; ``k, v [C, H]`` the page as loaded (garbage if ``page_ok`` is False);
-    ``q_pos [R, 1]`` int32; ``win [R, 1]`` per-row windows or None; ``start`` the position of
-    the page's first token; ``length`` the sequence's length.
+    q: jax.Array
+    pos: jax.Array
+    win: jax.Array | None
+
+
+class _Walk(NamedTuple):
+    """``table [B, M]``, ``lengths [B]`` and live slots ``[page_lo, page_hi)`` (int32)."""
+
+    table: jax.Array
+    lengths: jax.Array
+    page_lo: jax.Array
+    page_hi: jax.Array
+
+
+def _visit_page(cfg: DecodeConfig, rows: _Rows, page, length, state):
+    """Folds one page into the online softmax of ``R`` rows (``length``: the sequence's).
+
+    ``page = (k, v, ok, start)``: ``k, v [C, H]`` as loaded (garbage where ``ok`` is False)
+    and the position ``start`` of its first token.
     """
+    (q, q_pos, win), (k, v, page_ok, start) = rows, page
     m, l, acc = state
     C = k.shape[0]
     key_col = start + lax.broadcasted_iota(jnp.int32, (C, 1), 0)  # [C, 1]
@@ -181,8 +187,8 @@ def _gpu_kernel(lo_ref, hi_ref, len_ref, table_ref, q_ref, pos_ref, *refs, cfg, 
 
     @pl.when(first < last)
     def _():
-        q, q_pos, length = q_ref[...], pos_ref[...], len_ref[b]
-        win = None if win_ref is None else win_ref[...]
+        length = len_ref[b]
+        rows = _Rows(q_ref[...], pos_ref[...], None if win_ref is None else win_ref[...])
 
         def body(i, state):
             # All loads of the step first (independent of the softmax state), then the folds.
@@ -194,7 +200,7 @@ def _gpu_kernel(lo_ref, hi_ref, len_ref, table_ref, q_ref, pos_ref, *refs, cfg, 
                 page = jnp.where(ok, page, 0)
                 loaded.append((j, ok, k_ref[page], v_ref[page]))  # [C, H] each
             for j, ok, k, v in loaded:
-                state = _visit_page(cfg, q, k, v, q_pos, win, ok, j * C, length, state)
+                state = _visit_page(cfg, rows, (k, v, ok, j * C), length, state)
             return state
 
         steps = (last - first + loads - 1) // loads
@@ -208,8 +214,14 @@ def _gpu_kernel(lo_ref, hi_ref, len_ref, table_ref, q_ref, pos_ref, *refs, cfg, 
         lse_ref[...] = jnp.full(lse_ref.shape, -jnp.inf, jnp.float32)
 
 
-def _gpu_call(qr, row_pos, row_win, k_pages, v_pages, table, lengths, page_lo, page_hi, cfg):
-    """Partial ``(out [B, K, splits, R, H], lse [B, K, splits, R, 1])`` float32."""
+def _gpu_call(rows: _Rows, pools, walk: _Walk, cfg: DecodeConfig):
+    """Partial ``(out [B, K, splits, R, H], lse [B, K, splits, R, 1])`` float32.
+
+    ``rows``: ``q [B, K, R, H]``, ``pos [B, R, 1]``, ``win [K, R, 1]`` or None; ``pools``:
+    ``(k_pages, v_pages)`` ``[K, P, C, H]``.
+    """
+    (qr, row_pos, row_win), (k_pages, v_pages) = rows, pools
+    table, lengths, page_lo, page_hi = walk
     B, K, R, H = qr.shape
     _, P, C, _ = k_pages.shape
     M = table.shape[1]
@@ -292,15 +304,15 @@ def _tpu_kernel(lo_ref, hi_ref, len_ref, table_ref, q_ref, pos_ref, *refs, cfg, 
 
     @pl.when((j >= lo_ref[b]) & (j < hi_ref[b]))
     def _():
-        q, q_pos, length = q_ref[...], pos_ref[...], len_ref[b]
-        win = None if win_ref is None else win_ref[...]
+        length = len_ref[b]
+        rows = _Rows(q_ref[...], pos_ref[...], None if win_ref is None else win_ref[...])
         state = (m_ref[...], l_ref[...], acc_ref[...])
         for i in range(ppb):
             slot = j * ppb + i
             page = table_ref[b * M + slot]
             ok = (page > 0) & (page < P)
             k, v = k_refs[i][...], v_refs[i][...]
-            state = _visit_page(cfg, q, k, v, q_pos, win, ok, slot * C, length, state)
+            state = _visit_page(cfg, rows, (k, v, ok, slot * C), length, state)
         m_ref[...], l_ref[...], acc_ref[...] = state
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -310,8 +322,11 @@ def _tpu_kernel(lo_ref, hi_ref, len_ref, table_ref, q_ref, pos_ref, *refs, cfg, 
         lse_ref[...] = lse
 
 
-def _tpu_call(qr, row_pos, row_win, k_pages, v_pages, table, lengths, page_lo, page_hi, cfg):
-    """``(out [B, K, R, H] float32, lse [B, K, R, 1])``; ``table`` padded to whole blocks."""
+def _tpu_call(rows: _Rows, pools, walk: _Walk, cfg: DecodeConfig):
+    """``(out [B, K, R, H] float32, lse [B, K, R, 1])``; ``walk.table`` padded to whole
+    blocks; ``rows`` and ``pools`` as in :func:`_gpu_call`."""
+    (qr, row_pos, row_win), (k_pages, v_pages) = rows, pools
+    table, lengths, page_lo, page_hi = walk
     from jax.experimental.pallas import tpu as pltpu
 
     B, K, R, H = qr.shape
@@ -421,13 +436,13 @@ def pallas_decode(q, k_pages, v_pages, page_table, lengths, q_positions, *, cfg:
         row_win = jnp.pad(row_win, ((0, 0), (0, R - T * G)), constant_values=_NO_WINDOW)
         row_win = row_win[..., None]
     page_lo, page_hi = _page_range(q_positions, lengths, C, M, cfg)
-    args = (qr, row_pos, row_win, k_pages, v_pages)
+    rows, pools = _Rows(qr, row_pos, row_win), (k_pages, v_pages)
     if cfg.variant == "gpu":
-        parts = _gpu_call(*args, table, lengths, page_lo, page_hi, cfg)
+        parts = _gpu_call(rows, pools, _Walk(table, lengths, page_lo, page_hi), cfg)
         out, lse = _merge_splits(*parts)
     else:
         table = jnp.pad(table, ((0, 0), (0, -M % ppb)))
-        out, lse = _tpu_call(*args, table, lengths, page_lo, page_hi, cfg)
+        out, lse = _tpu_call(rows, pools, _Walk(table, lengths, page_lo, page_hi), cfg)
         lse = lse[..., 0]
     out = out[:, :, : T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
     lse = lse[:, :, : T * G].reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, N)

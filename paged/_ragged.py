@@ -92,7 +92,7 @@ def _ragged_impl(
             q_blk = lax.dynamic_slice(q_pad, (first, 0, 0), (TQ, N, H))
             pos = length - q_len + local
             o, s, m = attend_sequence(
-                q_blk, pos, valid, row, length, k_view, v_view, opts=opts, heads=heads
+                (q_blk, pos, valid), row, length, (k_view, v_view), opts=opts, heads=heads
             )
             old_o = lax.dynamic_slice(out, (first, 0, 0), (TQ, N, H))
             old_s = lax.dynamic_slice(lse, (first, 0), (TQ, N))

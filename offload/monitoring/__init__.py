@@ -24,7 +24,7 @@ C     tokens per page (``page_size``)
 ====  ==========================================
 """
 
-from offload._attention_mass import mass_kept_from_lse, mass_kept_from_page_mass
+from offload.monitoring._mass_kept import mass_kept_from_lse, mass_kept_from_page_mass
 from offload.monitoring._metric_families import METRIC_FAMILIES
 from offload.monitoring._monitor import Monitor
 from offload.monitoring._monitoring import (

@@ -217,8 +217,14 @@ class RetrievalDecode(NamedTuple):
     fetched_bytes: int
 
 
-@functools.partial(jax.jit, static_argnames=("C", "budget", "sink", "recent"))
-def _select_tiers(q, bounds, host_bounds, device_table, host_table, lengths, *, C, budget, sink, recent):  # fmt: skip
+@functools.partial(jax.jit, static_argnums=(4,))
+def _select_tiers(q, tier_bounds, tables, lengths, walk: tuple[int, int, int, int]):
+    """Selects over both tiers' pages: ``tier_bounds = (bounds, host_bounds)``, ``tables =
+    (device_table, host_table)``, ``walk = (C, budget, sink, recent)`` (static). Returns the
+    compacted device ids, the host slots to fetch (``-1``: none), the compacted lengths and
+    offsets and the pages selected per row."""
+    (bounds, host_bounds), (device_table, host_table) = tier_bounds, tables
+    C, budget, sink, recent = walk
     P = bounds.k_min.shape[-2]
     both = PageKeyBounds(
         jnp.concatenate([bounds.k_min, host_bounds.k_min], axis=-2),
@@ -235,10 +241,16 @@ def _select_tiers(q, bounds, host_bounds, device_table, host_table, lengths, *, 
     return on_device, in_host, rt.lengths, rt.offset, sel.count
 
 
-@functools.partial(jax.jit, static_argnames=("softcap", "scale"))
-def _attend_tiers(q, k_pages, v_pages, on_device, lengths, lengths_c, offset, stage_table,
-                  stage_k, stage_v, sinks, *, softcap, scale):  # fmt: skip
-    """Attention over the compacted device and staged tables, merged (one jitted program)."""
+@functools.partial(jax.jit, static_argnums=(5,))
+def _attend_tiers(q, pools, compacted, staged, sinks, logits: tuple[float | None, float | None]):
+    """Attention over the compacted device and staged tables, merged (one jitted program).
+
+    ``pools = (k_pages, v_pages)``; ``compacted = (on_device, lengths, lengths_c, offset)``;
+    ``staged = (table, k_pages, v_pages)`` of the staging pool; ``logits = (softcap, scale)``
+    (static).
+    """
+    (k_pages, v_pages), (on_device, lengths, lengths_c, offset) = pools, compacted
+    (stage_table, stage_k, stage_v), (softcap, scale) = staged, logits
     T = q.shape[1]
     q_positions = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)
     return mixed_residency_attention(
@@ -344,15 +356,14 @@ def retrieval_decode_attention(
         recent = max(recent, k_pages.format.residual_pages(C))
     if sink + recent > budget:
         raise ValueError(f"{fn}: budget: expected at least sink_pages + recent_pages = {sink + recent}, got {budget}")  # fmt: skip
+    tables = (device_table, jnp.asarray(host_table, jnp.int32))
     on_device, in_host, lengths_c, offset, count = _select_tiers(
-        q, bounds, host_bounds, device_table, jnp.asarray(host_table, jnp.int32), lengths,
-        C=C, budget=budget, sink=sink, recent=recent,
-    )  # fmt: skip
+        q, (bounds, host_bounds), tables, lengths, (C, budget, sink, recent)
+    )
     staged = fetch_selected_pages(host_pool, in_host, layer=layer, stats=stats, request_id=request_id)  # fmt: skip
-    res = _attend_tiers(
-        q, k_pages, v_pages, on_device, lengths, lengths_c, offset, jnp.asarray(staged.table),
-        staged.k_pages, staged.v_pages, sinks, softcap=softcap, scale=scale,
-    )  # fmt: skip
+    compacted = (on_device, lengths, lengths_c, offset)
+    stage = (jnp.asarray(staged.table), staged.k_pages, staged.v_pages)
+    res = _attend_tiers(q, (k_pages, v_pages), compacted, stage, sinks, (softcap, scale))
     if stats is not None:
         wait(staged.handle)
         seconds = time.perf_counter() - staged.handle.issued_at
