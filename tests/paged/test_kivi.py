@@ -62,11 +62,16 @@ def pages_of(draw):
     return x.astype(np.float32)
 
 
+# One jitted program per drawn shape (the eager ops compile one by one, several times slower);
+# eager calls are checked by the tests below.
+_jit_quantize = jax.jit(quantize_pages, static_argnums=1, static_argnames="role")
+
+
 @pytest.mark.parametrize("role", ["keys", "values"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(x=pages_of())
 def test_round_trip_is_within_the_bound(role, x):
-    pages = quantize_pages(jnp.asarray(x), FMT, role=role)
+    pages = _jit_quantize(jnp.asarray(x), FMT, role=role)
     D, C, H = x.shape
     assert pages.shape == x.shape and pages.data.shape == (D, C, H // 4)
     assert pages.data.dtype == jnp.uint8 and pages.scale.dtype == jnp.bfloat16

@@ -43,6 +43,15 @@ GROUP = 4  # int4's group in these tests: H = 8 has two groups per token
 FORMATS = {"int8": KVFormat("int8"), "fp8": KVFormat("fp8"), "int4": KVFormat("int4", GROUP)}
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _round_trip(x, fmt):
+    """``(quantize_pages(x, fmt), its dequantization)`` as one program: the hypothesis tests
+    below draw a new shape per example, and one compile per shape costs a fraction of the
+    eager ops' (each compiled on its own); eager calls are checked by the other tests."""
+    pages = quantize_pages(x, fmt)
+    return pages, pages.dequantize()
+
+
 def group_absmax(x, kind, keepdims=False):
     """``absmax`` of each scale's values (a token, int4: a group), shaped like the scales."""
     x = np.asarray(x, np.float64)
@@ -161,12 +170,12 @@ def token_blocks(draw, multiple=1):
 def test_round_trip_is_within_the_format_bound(kind, data):
     fmt = FORMATS[kind]
     x = data.draw(token_blocks(fmt.group_size if kind == "int4" else 1))
-    pages = quantize_pages(jnp.asarray(x), fmt)
+    pages, back = _round_trip(jnp.asarray(x), fmt)
     assert pages.data.dtype == fmt.storage_dtype and pages.scale.dtype == fmt.scale_dtype
     assert pages.shape == x.shape and pages.scale.shape == fmt.scale_shape(x.shape)
     assert pages.data.shape == fmt.data_shape(x.shape)
     assert pages.nbytes == x.size // x.shape[-1] * fmt.bytes_per_token(x.shape[-1])
-    back = np.asarray(pages.dequantize(), np.float64)
+    back = np.asarray(back, np.float64)
     x64 = x.astype(np.float64)
     err = np.abs(back - x64)
     bound = error_bound(x64, kind)
@@ -665,8 +674,7 @@ def grouped_blocks(draw):
 def test_int4_round_trip_bound_and_groups_are_independent(block):
     g, x, outlier = block
     fmt = KVFormat("int4", group_size=g)
-    pages = quantize_pages(jnp.asarray(x), fmt)
-    back = np.asarray(pages.dequantize(), np.float64)
+    back = np.asarray(_round_trip(jnp.asarray(x), fmt)[1], np.float64)
     x64 = x.astype(np.float64)
     groups = np.abs(x64).reshape(*x.shape[:-1], -1, g)
     absmax = np.repeat(np.max(groups, axis=-1), g, axis=-1)
@@ -677,8 +685,8 @@ def test_int4_round_trip_bound_and_groups_are_independent(block):
     # Each group is quantized on its own: a huge outlier leaves the other groups exactly as
     # they would be without it (its own group alone loses precision).
     for j in range(x.shape[-1] // g):
-        alone = quantize_pages(jnp.asarray(x[..., j * g : (j + 1) * g]), fmt)
-        np.testing.assert_array_equal(back[..., j * g : (j + 1) * g], alone.dequantize())
+        alone = _round_trip(jnp.asarray(x[..., j * g : (j + 1) * g]), fmt)[1]
+        np.testing.assert_array_equal(back[..., j * g : (j + 1) * g], alone)
     if outlier is not None and x.shape[-1] > g:
         other = (outlier + 1) % (x.shape[-1] // g)
         part = x64[..., other * g : (other + 1) * g]
