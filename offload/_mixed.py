@@ -114,12 +114,12 @@ def _share(lse_part, lse_total):
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "return_page_mass"))
-def _tier_attention(
-    q, k_pages, v_pages, table, lengths, q_positions, sinks, *, spec, return_page_mass
-):
-    """One tier's part. Its table is traced here, so a slot absent from this tier (the null
+def _tier_attention(q, pools, view, sinks, *, spec, return_page_mass):
+    """One tier's part: ``pools = (k_pages, v_pages)``, ``view = (table, lengths,
+    q_positions)``. Its table is traced here, so a slot absent from this tier (the null
     page inside a length, by design) is masked: ``paged.paged_attention``'s jit behaviour (an
     eager call of it raises on such a slot, which in a single-tier table is a missing page)."""
+    (k_pages, v_pages), (table, lengths, q_positions) = pools, view
     return paged_attention(
         q, k_pages, v_pages, table, lengths, q_positions=q_positions, mask=spec, sinks=sinks,
         return_page_mass=return_page_mass,
@@ -300,7 +300,7 @@ def mixed_residency_attention(
 
     def part(kp, vp, table, part_sinks):
         return _tier_attention(
-            q, kp, vp, table, lengths, q_positions, part_sinks,
+            q, (kp, vp), (table, lengths, q_positions), part_sinks,
             spec=spec, return_page_mass=return_page_mass,
         )  # fmt: skip
 

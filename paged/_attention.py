@@ -169,9 +169,14 @@ def forward_only(fn: str, impl, *args, **static):
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def attention_rows(q, k_pages, v_pages, page_table, lengths, q_positions, heads=None, *, opts):
+def attention_rows(q, pools, view, heads=None, *, opts):
     """``out [B, T, N, H]`` float32, ``lse [B, T, N]`` and (``opts.want_page_lse``) the page
-    mass of each query row ``[B, T, N, M]`` (relative to the row's own ``lse``), no sinks."""
+    mass of each query row ``[B, T, N, M]`` (relative to the row's own ``lse``), no sinks.
+
+    ``pools = (k_pages, v_pages)``; ``view = (page_table [B, M], lengths [B], q_positions
+    [B, T])``: what the queries see of the cache.
+    """
+    (k_pages, v_pages), (page_table, lengths, q_positions) = pools, view
     M = page_table.shape[1]
     table = pad_table(page_table, opts.pages_per_block)
     lengths = lengths.astype(jnp.int32)
@@ -214,18 +219,14 @@ def finish(out, lse, mass_rows, sinks, dtype) -> PagedAttentionOutput:
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _paged_attention_impl(
-    q, k_pages, v_pages, page_table, lengths, q_positions, sinks, heads=None, *, opts
-):
-    out, lse, mass_rows = attention_rows(
-        q, k_pages, v_pages, page_table, lengths, q_positions, heads, opts=opts
-    )
+def _paged_attention_impl(q, pools, view, sinks, heads=None, *, opts):
+    out, lse, mass_rows = attention_rows(q, pools, view, heads, opts=opts)
     return finish(out, lse, mass_rows, sinks, q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _paged_attention_pallas(q, k_pages, v_pages, page_table, lengths, q_positions, sinks, *, cfg):
-    out, lse = pallas_decode(q, k_pages, v_pages, page_table, lengths, q_positions, cfg=cfg)
+def _paged_attention_pallas(q, pools, view, sinks, *, cfg):
+    out, lse = pallas_decode(q, pools, view, cfg=cfg)
     return finish(out, lse, None, sinks, q.dtype)
 
 
@@ -412,7 +413,7 @@ def paged_attention(
         cfg = decode_config(fn, opts, C, H, variant, interpret)
         if heads is not None:  # the Pallas kernels take one layer's pools
             k_pages, v_pages = (pool[layer] for pool in stacked)
-        args = (q, k_pages, v_pages, table, lengths, q_positions, sinks)
+        args = (q, (k_pages, v_pages), (table, lengths, q_positions), sinks)
         return forward_only(fn, _paged_attention_pallas, *args, cfg=cfg)
-    args = (q, k_pages, v_pages, table, lengths, q_positions, sinks, heads)
+    args = (q, (k_pages, v_pages), (table, lengths, q_positions), sinks, heads)
     return forward_only(fn, _paged_attention_impl, *args, opts=opts)

@@ -405,13 +405,14 @@ def _page_range(q_pos, lengths, C: int, M: int, cfg: DecodeConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def pallas_decode(q, k_pages, v_pages, page_table, lengths, q_positions, *, cfg: DecodeConfig):
+def pallas_decode(q, pools, view, *, cfg: DecodeConfig):
     """``(out [B, T, N, H] float32, lse [B, T, N] float32)`` of paged decode attention.
 
-    ``q [B, T, N, H]``, ``k_pages, v_pages [K, P, C, H]`` (same dtype), ``page_table [B, M]``
-    int, ``lengths [B]`` int, ``q_positions [B, T]`` int32; the semantics of
+    ``q [B, T, N, H]``, ``pools = (k_pages, v_pages)`` ``[K, P, C, H]`` (same dtype), ``view =
+    (page_table [B, M] int, lengths [B] int, q_positions [B, T] int32)``; the semantics of
     :func:`paged.paged_attention` without sinks or page mass. Inputs are checked by the caller.
     """
+    (k_pages, v_pages), (page_table, lengths, q_positions) = pools, view
     B, T, N, H = q.shape
     K, P, C, _ = k_pages.shape
     # Inside shard_map(check_vma=True) every operand varies like the outputs.

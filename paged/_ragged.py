@@ -46,20 +46,10 @@ __all__ = ["ragged_paged_attention"]
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "queries_per_block"))
-def _ragged_impl(
-    q,
-    k_pages,
-    v_pages,
-    page_table,
-    lengths,
-    cu_q_lens,
-    num_seqs,
-    sinks,
-    heads=None,
-    *,
-    opts,
-    queries_per_block,
-):
+def _ragged_impl(q, pools, batch, sinks, heads=None, *, opts, queries_per_block):
+    """``pools = (k_pages, v_pages)``; ``batch = (page_table [B, M], lengths [B], cu_q_lens
+    [B + 1], num_seqs [])``: where each sequence's query rows are and what they see."""
+    (k_pages, v_pages), (page_table, lengths, cu_q_lens, num_seqs) = pools, batch
     total, N, H = q.shape
     B = page_table.shape[0]
     TQ = queries_per_block
@@ -232,16 +222,13 @@ def ragged_paged_attention(
     opts = kernel_options(
         fn, spec, N, H, pages_per_block, page_table.shape[1], bool(return_page_mass)
     )
+    batch = (jnp.asarray(page_table), jnp.asarray(lengths), jnp.asarray(cu_q_lens))
     return forward_only(
         fn,
         _ragged_impl,
         q,
-        k_pages,
-        v_pages,
-        jnp.asarray(page_table),
-        jnp.asarray(lengths),
-        jnp.asarray(cu_q_lens),
-        num_seqs.reshape(()),
+        (k_pages, v_pages),
+        (*batch, num_seqs.reshape(())),
         sinks,
         heads,
         opts=opts,

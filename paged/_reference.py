@@ -55,8 +55,12 @@ def _dense(k_pages, v_pages, page_table, lengths):
     return k, v, valid
 
 
-def _page_mass(q, k, v, valid, q_pos, q_seg, spec, lse_total, M: int, C: int):
-    """``[B, N, M]``: ``sum_t exp(lse_slot - lse_total)``, one dense pass per table slot."""
+def _page_mass(qkv, rows, spec, lse_total, M: int, C: int):
+    """``[B, N, M]``: ``sum_t exp(lse_slot - lse_total)``, one dense pass per table slot.
+
+    ``qkv = (q, k, v)`` dense; ``rows = (valid [B, S] keys, q_pos [B, T], q_seg [B, T])``.
+    """
+    (q, k, v), (valid, q_pos, q_seg) = qkv, rows
     B, S = valid.shape
     kv_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     slot = jnp.arange(S) // C
@@ -155,7 +159,7 @@ def paged_attention_reference(
     mass = None
     if return_page_mass:
         k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-        mass = _page_mass(q32, k32, v32, valid, q_pos, segment_ids.q, spec, lse, M, C)
+        mass = _page_mass((q32, k32, v32), (valid, q_pos, segment_ids.q), spec, lse, M, C)
     return PagedAttentionOutput(out.astype(q.dtype), lse, mass)
 
 
@@ -250,7 +254,7 @@ def ragged_paged_attention_reference(
     )
     mass = None
     if return_page_mass:
-        rows = _page_mass(q32, k32, v32, valid[owner], q_pos, segment_ids.q, spec, lse, M, C)
+        rows = _page_mass((q32, k32, v32), (valid[owner], q_pos, segment_ids.q), spec, lse, M, C)
         rows = jnp.where(owned[:, None, None], rows, 0.0)  # [Q, N, M]
         mass = jax.ops.segment_sum(rows, owner, num_segments=B)
     return PagedAttentionOutput(out[:, 0].astype(q.dtype), lse[:, 0], mass)

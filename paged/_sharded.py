@@ -58,14 +58,14 @@ from paged._quantized import QuantizedPages
 __all__ = ["sharded_paged_attention"]
 
 
-def local_partial(
-    q, k_pages, v_pages, page_table, lengths, q_positions, *, seq_axis, mask, ppb, page_mass=False
-):
+def local_partial(q, pools, view, *, seq_axis, mask, ppb, page_mass=False):
     """Inside ``shard_map``: this device's ``(out, lse, mass_rows)`` over its token range.
 
-    ``out`` float32, no sinks; ``mass_rows [B, T, N, M_d]`` relative to the local ``lse`` (or
-    None without ``page_mass``).
+    ``pools = (k_pages, v_pages)`` (this device's pages); ``view = (page_table [B, M_d],
+    lengths [B], q_positions [B, T])``. ``out`` float32, no sinks; ``mass_rows [B, T, N,
+    M_d]`` relative to the local ``lse`` (or None without ``page_mass``).
     """
+    (k_pages, v_pages), (page_table, lengths, q_positions) = pools, view
     N, H = q.shape[2], q.shape[3]
     capacity = page_table.shape[1] * k_pages.shape[2]  # M_d * C
     offset = jax.lax.axis_index(seq_axis) * capacity
@@ -76,7 +76,7 @@ def local_partial(
         "sharded_paged_attention", mask, N, H, ppb, page_table.shape[1], page_mass
     )
     return attention_rows(
-        q, k_pages, v_pages, page_table, local_lengths, q_positions - offset, opts=opts
+        q, (k_pages, v_pages), (page_table, local_lengths, q_positions - offset), opts=opts
     )
 
 
@@ -227,11 +227,8 @@ def sharded_paged_attention(
     def run(q, k_pages, v_pages, page_table, lengths, q_positions):
         out, lse, mass_rows = local_partial(
             q,
-            k_pages,
-            v_pages,
-            page_table,
-            lengths,
-            q_positions,
+            (k_pages, v_pages),
+            (page_table, lengths, q_positions),
             seq_axis=seq_axis,
             mask=spec,
             ppb=ppb,

@@ -44,7 +44,7 @@ def run_kernel(variant, q, k_pages, v_pages, table, lengths, *, q_positions=None
     opts = kernel_options("test", spec, N, H, ppb, table.shape[1], False)
     cfg = decode_config("test", opts, k_pages.shape[2], H, "tpu", True)
     positions = default_q_positions("test", q_positions, lengths, B, T)
-    out, lse = pallas_decode(q, k_pages, v_pages, table, lengths, positions, cfg=cfg)
+    out, lse = pallas_decode(q, (k_pages, v_pages), (table, lengths, positions), cfg=cfg)
     return out.astype(q.dtype), lse
 
 
@@ -173,14 +173,9 @@ def _export(variant, platform, target, window):
     spec = resolve_mask("f", None, causal=True, window=window, softcap=30.0, scale=None)
     opts = kernel_options("f", spec, N, H, 4, M, False)
     cfg = decode_config("f", opts, C, H, variant, False)
-    shapes = [
-        jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((K, P, C, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((K, P, C, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((B, M), jnp.int32),
-        jax.ShapeDtypeStruct((B,), jnp.int32),
-        jax.ShapeDtypeStruct((B, T), jnp.int32),
-    ]
+    pool = jax.ShapeDtypeStruct((K, P, C, H), jnp.bfloat16)
+    view = tuple(jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((B, M), (B,), (B, T)))
+    shapes = [jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16), (pool, pool), view]
     exported = export.export(
         jax.jit(functools.partial(pallas_decode, cfg=cfg)),
         platforms=(platform,),

@@ -64,11 +64,8 @@ def test_local_partials_merge_to_single_device_result(D, window):
     def partials(q, k, v, table, lengths, q_positions):
         out, lse, _ = local_partial(
             q,
-            k,
-            v,
-            table,
-            lengths,
-            q_positions,
+            (k, v),
+            (table, lengths, q_positions),
             seq_axis="seq",
             mask=MaskSpec(causal=True, window=window),
             ppb=32,
