@@ -60,24 +60,28 @@ class MaskIds(NamedTuple):
     windows: jax.Array | None = None
 
     def padded(self, Tp: int, Sp: int) -> "MaskIds":
-        """Ids edge-padded to ``Tp`` queries and ``Sp`` keys (padding never widens a block)."""
-        pad = lambda x, n: None if x is None else pad_axis(x, 1, n, mode="edge")
+        """Ids edge-padded to ``Tp`` queries and ``Sp`` keys (:func:`pad_ids`)."""
         return self._replace(
-            q_pos=pad(self.q_pos, Tp),
-            kv_pos=pad(self.kv_pos, Sp),
-            q_seg=pad(self.q_seg, Tp),
-            kv_seg=pad(self.kv_seg, Sp),
+            q_pos=pad_ids(self.q_pos, Tp),
+            kv_pos=pad_ids(self.kv_pos, Sp),
+            q_seg=pad_ids(self.q_seg, Tp),
+            kv_seg=pad_ids(self.kv_seg, Sp),
         )
 
-    def block(self, q_start, block_q: int, kv_start, block_kv: int) -> "MaskIds":
-        """The ids of one block pair: queries ``[q_start, +block_q)``, keys ``[kv_start, +block_kv)``."""
-        cut = lambda x, start, n: None if x is None else dslice(x, start, n, 1)
-        return self._replace(
-            q_pos=cut(self.q_pos, q_start, block_q),
-            kv_pos=cut(self.kv_pos, kv_start, block_kv),
-            q_seg=cut(self.q_seg, q_start, block_q),
-            kv_seg=cut(self.kv_seg, kv_start, block_kv),
-        )
+    def q_block(self, start, size: int) -> "MaskIds":
+        """The query side cut to ``[start, start + size)`` (the key side as it is)."""
+        cut = lambda x: None if x is None else dslice(x, start, size, 1)
+        return self._replace(q_pos=cut(self.q_pos), q_seg=cut(self.q_seg))
+
+    def kv_block(self, start, size: int) -> "MaskIds":
+        """The key side cut to ``[start, start + size)`` (the query side as it is)."""
+        cut = lambda x: None if x is None else dslice(x, start, size, 1)
+        return self._replace(kv_pos=cut(self.kv_pos), kv_seg=cut(self.kv_seg))
+
+
+def pad_ids(x, length: int):
+    """Edge-pads ``[B, S]`` ids (or None) so padding does not widen any block's range."""
+    return None if x is None else pad_axis(x, 1, length, mode="edge")
 
 
 def round_up(x: int, m: int) -> int:
@@ -263,7 +267,7 @@ def visit_orders(kinds):
 def block_mask(cfg: KernelConfig, summ: Summaries, ids: MaskIds, q_start, kv_start):
     """Visibility of one block pair, broadcastable to the logits ``[B, K, G, bq, bk]``.
 
-    ``ids`` are the pair's own (:meth:`MaskIds.block`; ``windows`` the ``[B, K, G]`` table or
+    ``ids`` are the pair's own (:meth:`MaskIds.q_block`, :meth:`MaskIds.kv_block`; ``windows`` the ``[B, K, G]`` table or
     None). ``[B, 1, 1, bq, bk]``, or ``[B, K, G, bq, bk]`` with a window table; padding keys
     (index ``>= kv_len``) are hidden; the block of the dense mask (``summ.dense``) is ANDed in.
     """

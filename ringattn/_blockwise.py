@@ -224,9 +224,8 @@ def make_pallas_config(spec: MaskSpec, block_sizes, G: int, T: int, S: int, H: i
 
 @functools.partial(jax.jit, static_argnums=(5,))
 def _blockwise_pallas(q, k, v, ids: MaskIds, sinks, cfg: PallasConfig):
-    ids = with_window_table(
-        ids._replace(windows=head_windows(cfg.mask, q.shape[2])), *q.shape[:1], k.shape[2]
-    )
+    ids = ids._replace(windows=head_windows(cfg.mask, q.shape[2]))
+    ids = with_window_table(ids, q.shape[0], k.shape[2])
     args = (q, k, v, ids)
     axes = varying_axes(*args)
     if axes:  # inside shard_map(check_vma=True): every operand varies like the outputs

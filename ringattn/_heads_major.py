@@ -44,11 +44,6 @@ def kv_from_heads_major(x, S: int):
     return jnp.moveaxis(x, 2, 1)[:, :S]
 
 
-def pad_ids(x, length: int):
-    """Edge-pads ``[B, S]`` ids so padding does not widen any block's range."""
-    return None if x is None else pad_axis(x, 1, length, mode="edge")
-
-
 def make_kernel_config(
     mask: MaskSpec, head_dim: int, T: int, S: int, block_q: int, block_kv: int
 ) -> tuple[KernelConfig, int, int]:

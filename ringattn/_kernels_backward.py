@@ -155,13 +155,14 @@ def _update_backward(grads, qb: QueryBlocks, kh, vh, ids: MaskIds, cfg: KernelCo
         dq_t, dkv = carry
         k_all = dslice(kh, j * bk, bk, 2)  # [B, K, bk, H]
         v_all = dslice(vh, j * bk, bk, 2)
+        kv_ids = ids.kv_block(j * bk, bk)  # the key side once per key block
         k_all_t = k_cols[j]  # [B, K, H, bk]
         dkv_blk = dslice(dkv, j * bk, bk, 2)  # [B, K, bk, 2H]
 
         def visit(i, dq_blk, dk, dv, masked: bool):
             k_blk, v_blk, k_blk_t = k_all, v_all, k_all_t
             if masked:
-                mask = block_mask(cfg, summ, ids.block(i * bq, bq, j * bk, bk), i * bq, j * bk)
+                mask = block_mask(cfg, summ, kv_ids.q_block(i * bq, bq), i * bq, j * bk)
                 seen = visible_keys(mask)  # [B, 1, bk, 1]
                 k_blk, v_blk = jnp.where(seen, k_blk, 0), jnp.where(seen, v_blk, 0)
                 k_blk_t = jnp.where(jnp.swapaxes(seen, 2, 3), k_blk_t, 0)

@@ -91,7 +91,7 @@ def reduce_to(ds, shape):
 def _visibility(cfg: KernelConfig, summ: Summaries, ids: MaskIds, terms: LogitTerms, i, j):
     """The block's mask ``[B, K or 1, G or 1, bq, bk]``, the mask term ANDed in."""
     bq, bk = cfg.block_q, cfg.block_kv
-    mask = block_mask(cfg, summ, ids.block(i * bq, bq, j * bk, bk), i * bq, j * bk)
+    mask = block_mask(cfg, summ, ids.q_block(i * bq, bq).kv_block(j * bk, bk), i * bq, j * bk)
     if terms.allowed is not None:
         mask = mask & batch_rows(term_block(terms.allowed, i, j, bq, bk), ids.q_pos.shape[0])
     return mask

@@ -141,7 +141,8 @@ def _update_forward(
         """Folds key block ``j`` into the rows ``q_blk`` (query block ``i`` if ``masked``)."""
         k_blk, v_blk = k_cols[j], v_rows[j]  # [B, K, H, bk], [B, K, bk, H]
         if masked:
-            mask = block_mask(cfg, summ, ids.block(i * bq, bq, j * bk, bk), i * bq, j * bk)
+            blk_ids = ids.q_block(i * bq, bq).kv_block(j * bk, bk)
+            mask = block_mask(cfg, summ, blk_ids, i * bq, j * bk)
             seen = visible_keys(mask)  # [B, 1, bk, 1]
             k_blk = jnp.where(jnp.swapaxes(seen, 2, 3), k_blk, 0)
             v_blk = jnp.where(seen, v_blk, 0)

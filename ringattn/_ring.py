@@ -52,13 +52,14 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
-from ringattn._blocks import MaskIds, round_up, window_table
+from ringattn._blocks import MaskIds, round_up
 from ringattn._blockwise import (
     BlockSizes,
     check_block_sizes,
     empty_attention,
     head_windows,
     resolve_impl,
+    with_window_table,
 )
 from ringattn._checks import FloatLike, IntLike, check_int, fail, refuse_bias
 from ringattn._formats import KVFormat
@@ -288,8 +289,7 @@ def ring_local(q, k, v, ids: MaskIds, spec: MaskSpec, ring: RingOptions):
         ids = ids._replace(
             kv_pos=jnp.broadcast_to(shard_positions(ring.layout, index, n, S), (B, S))
         )
-    if ids.windows is not None:
-        ids = ids._replace(windows=window_table(ids.windows, B, K))
+    ids = with_window_table(ids, B, K)
     pallas = None
     if ring.impl == "pallas":
         pallas = shard_pallas_config(spec, H, N // K, T, S, ring.block_sizes, ring.layout)

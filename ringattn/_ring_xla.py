@@ -14,13 +14,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ringattn._blocks import MaskIds
+from ringattn._blocks import MaskIds, pad_ids
 from ringattn._heads_major import (
     attention_delta,
     kv_from_heads_major,
     kv_to_heads_major,
     make_kernel_config,
-    pad_ids,
     q_from_heads_major,
     q_to_groups,
     q_to_heads_major,

@@ -88,9 +88,8 @@ def _sharded(q, k, v, ids: MaskIds, sinks, plan: Plan):
             ids = ids._replace(kv_pos=default_positions(B, S, plan))
     args = (q, k, v, ids, sinks)
     sharded = lambda x: plan.spec(x.ndim)
-    specs = (*(jax.tree.map(sharded, x) for x in args[:-1]), None)
-    if sinks is not None:
-        specs = (*specs[:-1], P(plan.head_axis))
+    sinks_spec = None if sinks is None else P(plan.head_axis)
+    specs = (*(jax.tree.map(sharded, x) for x in args[:-1]), sinks_spec)
     if any(t == AxisType.Explicit for t in plan.mesh.axis_types):
         # Explicit axes: shard_map wants the inputs already laid out as in_specs say.
         reshard = lambda x, s: jax.sharding.reshard(x, NamedSharding(plan.mesh, s))

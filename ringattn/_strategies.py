@@ -132,15 +132,15 @@ def _ulysses_body(q, k, v, ids: MaskIds, head_start, plan: Plan):
         return lax.all_to_all(x, u, split_axis=1, concat_axis=2, tiled=True)
 
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    ids = MaskIds(*(_gather(x, u) for x in ids[:4]))
-    ids = ids._replace(
-        windows=_windows(plan, head_start + lax.axis_index(u) * q.shape[2], q.shape[2])
-    )
+    ids = jax.tree.map(lambda x: _gather(x, u), ids)  # positions, segments: no windows yet
+    if plan.strategy != "usp":  # local attention in natural order
+        q, k, v = (_natural(x, plan) for x in (q, k, v))
+        ids = jax.tree.map(lambda x: _natural(x, plan), ids)
+    start = head_start + lax.axis_index(u) * q.shape[2]
+    ids = ids._replace(windows=_windows(plan, start, q.shape[2]))
     if plan.strategy == "usp":
         out, lse = _attend_ring(q, k, v, ids, plan)
     else:
-        q, k, v = (_natural(x, plan) for x in (q, k, v))
-        ids = ids._replace(**{f: _natural(getattr(ids, f), plan) for f in ids._fields[:4]})
         out, lse = _attend_local(q, k, v, ids, plan)
         out, lse = permuted(out, plan), permuted(lse, plan)
     return to_sequence(out), to_sequence(lse)
