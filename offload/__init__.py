@@ -38,7 +38,7 @@ imports them; their former top-level names (``offload.plan``, ``offload.to_prome
 location.
 """
 
-from offload._attention_mass import token_attention_mass
+from offload._attention_mass import mass_kept_from_lse, token_attention_mass
 from offload._disk import CorruptCacheError, DiskStore
 from offload._host_pool import HostPagePool, make_host_page_pool
 from offload._manager import OffloadManager
@@ -80,6 +80,7 @@ __all__: list[str] = [
     "update_policy_state_reference",
     # decode over mixed residency
     "MixedAttention",
+    "mass_kept_from_lse",
     "make_staging_pool",
     "mixed_residency_attention",
     "split_residency",
@@ -126,7 +127,6 @@ _PLANNING = (
     "plan",
 )
 _MONITORING = (
-    "mass_kept_from_lse",
     "mass_kept_from_page_mass",
     "METRIC_FAMILIES",
     "PROMETHEUS_CONTENT_TYPE",

@@ -2,8 +2,9 @@
 
 :func:`token_attention_mass`: dense attention probability per query head and key token (the
 token-granular counterpart of ``paged``'s ``page_mass``), the observation a policy folds into
-its scores. How much of the mass a selection keeps is measured by
-``offload.monitoring.mass_kept_from_lse`` and ``mass_kept_from_page_mass``.
+its scores; :func:`mass_kept_from_lse`: the exact fraction of the attention mass on kept
+keys, from two log-sum-exps (what ``mixed_residency_attention`` reports as ``mass_kept``).
+The estimate from an observed page mass is ``offload.monitoring.mass_kept_from_page_mass``.
 """
 
 import functools
@@ -15,7 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from offload._checks import check_array, check_float, check_lengths
 
-__all__ = ["token_attention_mass"]
+__all__ = ["mass_kept_from_lse", "token_attention_mass"]
 
 
 def token_attention_mass(
@@ -100,3 +101,36 @@ def _token_mass_impl(q, k, lengths, q_positions, *, causal, scale):
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0.0, 1.0, denom)
     return jnp.sum(p, axis=3).reshape(B, N, S)  # [B, K, G, S] -> [B, N, S]
+
+
+def mass_kept_from_lse(
+    lse_kept: Float[Array, "*R"], lse_full: Float[Array, "*R"]
+) -> Float[Array, "*R"]:
+    """Fraction of the attention mass in the kept keys: ``exp(lse_kept - lse_full)``.
+
+    Jittable as is: ``jax.jit(mass_kept_from_lse)`` (no options).
+
+    Args:
+      lse_kept: log-sum-exp over the kept keys (``-inf`` when none).
+      lse_full: log-sum-exp over all keys (``>= lse_kept``), same shape.
+
+    Returns:
+      float32 in ``[0, 1]``; 1 where the row has no key at all (nothing was lost).
+
+    Raises:
+      ValueError: if the shapes differ.
+
+    Example:
+      >>> float(mass_kept_from_lse(jnp.log(jnp.array(0.25)), jnp.array(0.0)))
+      0.25
+    """
+    if lse_kept.shape != lse_full.shape:
+        raise ValueError(
+            f"mass_kept_from_lse: lse_kept: expected lse_full's shape {tuple(lse_full.shape)}, "
+            f"got {tuple(lse_kept.shape)}"
+        )
+    lse_kept = lse_kept.astype(jnp.float32)
+    lse_full = lse_full.astype(jnp.float32)
+    empty = jnp.isneginf(lse_full)
+    frac = jnp.exp(lse_kept - jnp.where(empty, 0.0, lse_full))
+    return jnp.where(empty, 1.0, jnp.clip(frac, 0.0, 1.0))

@@ -12,7 +12,7 @@ equals full attention (sinks included); without the cold part it is the
 retention policy's approximation, and the attention mass it keeps is reported:
 
 * exactly, as ``exp(lse_device - lse_full)`` when the cold part is given
-  (``offload.monitoring.mass_kept_from_lse``);
+  (:func:`mass_kept_from_lse`);
 * from a page-mass observation otherwise (``offload.monitoring.mass_kept_from_page_mass``).
 """
 
@@ -25,6 +25,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 import ringattn
+from offload._attention_mass import mass_kept_from_lse
 from offload._checks import check_array, check_lengths, check_table
 from offload._shared_pages import keep_shared_pages
 from paged import QuantizedPages, paged_attention
@@ -103,14 +104,6 @@ def _kind(pool) -> str:
     if isinstance(pool, QuantizedPages):
         return f"quantized {pool.format.kind!r}"
     return str(pool.dtype)
-
-
-def _share(lse_part, lse_total):
-    """``exp(lse_part - lse_total)`` in ``[0, 1]`` (float32); 1 where ``lse_total`` is
-    ``-inf`` (a row with no key lost nothing)."""
-    none = jnp.isneginf(lse_total)
-    share = jnp.exp(lse_part.astype(jnp.float32) - jnp.where(none, 0.0, lse_total))
-    return jnp.where(none, 1.0, jnp.clip(share, 0.0, 1.0))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "return_page_mass"))
@@ -310,7 +303,7 @@ def mixed_residency_attention(
     dev = part(k_pages, v_pages, device_table, None)
     cold = part(cold_k_pages, cold_v_pages, cold_table, None)
     merged = ringattn.merge_attention(dev.out, dev.lse, cold.out, cold.lse)
-    kept = _share(dev.lse, merged.lse)  # [B, T, N], over the keys
+    kept = mass_kept_from_lse(dev.lse, merged.lse)  # [B, T, N], over the keys
     # The sink joins the softmax once, after every part is merged.
     out, lse = ringattn.apply_sinks(merged.out, merged.lse, sinks)
     mass = None
@@ -319,7 +312,7 @@ def mixed_residency_attention(
         # total, then (with a sink) to the total that includes the sink.
         mass = (
             dev.page_mass * kept[:, 0, :, None]
-            + cold.page_mass * _share(cold.lse, merged.lse)[:, 0, :, None]
+            + cold.page_mass * mass_kept_from_lse(cold.lse, merged.lse)[:, 0, :, None]
         )
         if sinks is not None:
             share = jnp.where(jnp.isneginf(merged.lse), 0.0, jnp.exp(merged.lse - lse))

@@ -10,9 +10,8 @@ time; :func:`to_prometheus` prints the dict as a Prometheus scrape page (familie
 :data:`METRIC_FAMILIES`, served as :data:`PROMETHEUS_CONTENT_TYPE`).
 :func:`find_high_cardinality_spans` finds the prompt spans that defeat prefix sharing and
 :func:`replay_hit_rate` replays prompts through a fresh ``paged.PageAllocator``.
-:func:`mass_kept_from_lse` and :func:`mass_kept_from_page_mass` measure the share of the
-attention mass that retention kept (``offload.mixed_residency_attention`` reports it as
-``mass_kept``).
+:func:`mass_kept_from_page_mass` estimates the share of the attention mass that retention
+kept from an observed page mass (the exact share is ``offload.mass_kept_from_lse``).
 
 Shape legend (as in ``ringattn``, ``paged`` and ``offload``):
 
@@ -24,7 +23,7 @@ C     tokens per page (``page_size``)
 ====  ==========================================
 """
 
-from offload.monitoring._mass_kept import mass_kept_from_lse, mass_kept_from_page_mass
+from offload.monitoring._mass_kept import mass_kept_from_page_mass
 from offload.monitoring._metric_families import METRIC_FAMILIES
 from offload.monitoring._monitor import Monitor
 from offload.monitoring._monitoring import (
@@ -59,7 +58,6 @@ __all__: list[str] = [
     "compute_metrics",
     "escape_label_value",
     "find_high_cardinality_spans",
-    "mass_kept_from_lse",
     "mass_kept_from_page_mass",
     "replay_hit_rate",
     "to_prometheus",

@@ -1,47 +1,14 @@
 """How much of the attention mass a retention selection kept.
 
-* :func:`mass_kept_from_lse`: the exact fraction of the attention mass on kept keys, from two
-  log-sum-exps (``offload.mixed_residency_attention`` reports it as ``mass_kept``);
-* :func:`mass_kept_from_page_mass`: the same fraction estimated from an observed page mass.
+:func:`mass_kept_from_page_mass`: the fraction of the attention mass on kept pages,
+estimated from an observed page mass (the exact one, from log-sum-exps, is the core's
+``offload.mass_kept_from_lse``, which ``offload.mixed_residency_attention`` reports).
 """
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-__all__ = ["mass_kept_from_lse", "mass_kept_from_page_mass"]
-
-
-def mass_kept_from_lse(
-    lse_kept: Float[Array, "*R"], lse_full: Float[Array, "*R"]
-) -> Float[Array, "*R"]:
-    """Fraction of the attention mass in the kept keys: ``exp(lse_kept - lse_full)``.
-
-    Jittable as is: ``jax.jit(mass_kept_from_lse)`` (no options).
-
-    Args:
-      lse_kept: log-sum-exp over the kept keys (``-inf`` when none).
-      lse_full: log-sum-exp over all keys (``>= lse_kept``), same shape.
-
-    Returns:
-      float32 in ``[0, 1]``; 1 where the row has no key at all (nothing was lost).
-
-    Raises:
-      ValueError: if the shapes differ.
-
-    Example:
-      >>> float(mass_kept_from_lse(jnp.log(jnp.array(0.25)), jnp.array(0.0)))
-      0.25
-    """
-    if lse_kept.shape != lse_full.shape:
-        raise ValueError(
-            f"mass_kept_from_lse: lse_kept: expected lse_full's shape {tuple(lse_full.shape)}, "
-            f"got {tuple(lse_kept.shape)}"
-        )
-    lse_kept = lse_kept.astype(jnp.float32)
-    lse_full = lse_full.astype(jnp.float32)
-    empty = jnp.isneginf(lse_full)
-    frac = jnp.exp(lse_kept - jnp.where(empty, 0.0, lse_full))
-    return jnp.where(empty, 1.0, jnp.clip(frac, 0.0, 1.0))
+__all__ = ["mass_kept_from_page_mass"]
 
 
 def mass_kept_from_page_mass(

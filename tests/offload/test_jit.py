@@ -12,13 +12,14 @@ from offload import (
     RetentionPolicy,
     budget_units,
     init_policy_state,
+    mass_kept_from_lse,
     mixed_residency_attention,
     select_keep,
     split_residency,
     token_attention_mass,
     update_policy_state,
 )
-from offload.monitoring import mass_kept_from_lse, mass_kept_from_page_mass
+from offload.monitoring import mass_kept_from_page_mass
 
 B, T, N, K, H, C, M = 2, 1, 4, 2, 8, 4, 3
 POOL = B * M + 1

@@ -157,7 +157,10 @@ def test_select_keep_with_shared_pages_matches_reference(data):
     table = np.array(data.draw(st.lists(st.integers(0, 6), min_size=B * M, max_size=B * M)))
     table = table.reshape(B, M).astype(np.int32)
     lengths = np.array(data.draw(st.lists(st.integers(0, M * C), min_size=B, max_size=B)))
-    scores = np.array(data.draw(st.lists(st.floats(0, 4), min_size=B * M, max_size=B * M)))
+    # No subnormal scores: XLA:CPU flushes them to zero (numpy does not), which reorders ties
+    # between the jitted selection and the numpy reference (1.4e-45 against 0.0 failed here).
+    scores = st.floats(0, 4, allow_subnormal=False, width=32)
+    scores = np.array(data.draw(st.lists(scores, min_size=B * M, max_size=B * M)))
     scores = scores.reshape(B, M).astype(np.float32)
     mode = data.draw(st.sampled_from(["drop", "demote"]))
     sel = select_keep(init_policy_state(B, M, policy=policy)._replace(scores=jnp.asarray(scores)),

@@ -1,12 +1,13 @@
-"""The mass-kept fractions of offload.monitoring: from log-sum-exps and from a page mass, and
-their errors (the fraction a mixed-residency decode reports is checked against them in
+"""The mass-kept fractions: exact from log-sum-exps (the core's) and estimated from a page
+mass (offload.monitoring's), and their errors (the fraction a mixed-residency decode reports is checked against them in
 tests/offload/test_mixed.py)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from offload.monitoring import mass_kept_from_lse, mass_kept_from_page_mass
+from offload import mass_kept_from_lse
+from offload.monitoring import mass_kept_from_page_mass
 
 
 def test_mass_kept_helpers():
