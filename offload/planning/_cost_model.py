@@ -48,6 +48,7 @@ concurrent requests. Element size is 4 bytes for a float32 model and 2 otherwise
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 __all__ = [
     "BLOCKWISE_FORWARD_EFFICIENCY",
@@ -58,6 +59,7 @@ __all__ = [
     "PAGE_IN_VS_MEMCPY",
     "RING_ZIGZAG_FORWARD_MS",
     "CostEstimate",
+    "Heads",
     "collective_steps",
     "communication_bytes",
     "estimate_decode",
@@ -126,8 +128,19 @@ def _ulysses_kv_heads(K: int, D: int) -> int:
     return K * (D // math.gcd(K, D))
 
 
-def _usp_bytes(S, N, K, H, D, itemsize, u) -> tuple[float, float]:
+class Heads(NamedTuple):
+    """One device's attention heads in a layer: ``N`` query and ``K`` key/value heads of dim
+    ``H``, ``itemsize`` bytes per element (the whole model's heads over tensor parallelism)."""
+
+    N: int
+    K: int
+    H: int
+    itemsize: int
+
+
+def _usp_bytes(heads: Heads, S, D, u) -> tuple[float, float]:
     """USP's (all-to-all bytes over ``u`` devices of a node, ring bytes over ``D / u``)."""
+    N, K, H, itemsize = heads
     r = D // u
     kv = _ulysses_kv_heads(K, u)
     a2a = (2 * N + 2 * kv) * (S / D) * H * itemsize * (u - 1) / u
@@ -159,25 +172,26 @@ def collective_steps(strategy: str | None, D: int, ulysses_degree: int = 1) -> i
 
 
 def communication_bytes(
-    strategy, *, S: int, N: int, K: int, H: int, D: int, itemsize: int, ulysses_degree: int = 1
+    strategy, heads: Heads, *, S: int, D: int, ulysses_degree: int = 1
 ) -> float:
     """Bytes one device sends in one layer's forward (the table in the module docstring).
 
     Args:
       strategy: ``"ring"``, ``"ulysses"``, ``"usp"``, ``"allgather"`` or ``None`` (no group).
-      S: tokens of the sequence; N, K, H: query heads, kv heads, head dim; D: devices.
-      itemsize: bytes per element (4 float32, 2 bf16).
+      heads: one device's :class:`Heads` (``N``, ``K``, ``H``, ``itemsize``: 4 float32, 2 bf16).
+      S: tokens of the sequence; D: devices.
       ulysses_degree: ``u`` of ``"usp"``.
 
     Returns:
       Bytes per device (0 for ``None`` or ``D == 1``).
 
     Example:
-      >>> communication_bytes("ring", S=4096, N=8, K=2, H=64, D=8, itemsize=4) / 2**20
+      >>> communication_bytes("ring", Heads(N=8, K=2, H=64, itemsize=4), S=4096, D=8) / 2**20
       3.5
     """
     if strategy is None or D == 1:
         return 0.0
+    N, K, H, itemsize = heads
     local = S / D
     if strategy == "ring":
         return (D - 1) * 2 * local * K * H * itemsize
@@ -185,7 +199,7 @@ def communication_bytes(
         kv = _ulysses_kv_heads(K, D)
         return (2 * N + 2 * kv) * local * H * itemsize * (D - 1) / D
     if strategy == "usp":
-        return sum(_usp_bytes(S, N, K, H, D, itemsize, ulysses_degree))
+        return sum(_usp_bytes(heads, S, D, ulysses_degree))
     return 2 * S * K * H * itemsize * (D - 1) / D  # allgather
 
 
@@ -215,31 +229,19 @@ def _tensor_parallel_bytes(S, N, H, D, itemsize, tensor_parallel) -> float:
 
 
 def estimate_prefill(
-    strategy,
-    *,
-    S: int,
-    L: int,
-    N: int,
-    K: int,
-    H: int,
-    D: int,
-    itemsize: int,
-    hardware,
-    ulysses_degree: int = 1,
-    params: int = 0,
-    tensor_parallel: int = 1,
+    strategy, model, hardware, *, S: int, D: int, ulysses_degree: int = 1, tensor_parallel: int = 1
 ) -> tuple[float, float, float, float, float]:
     """``(compute_s, memory_s, communication_s, latency_s, total_s)`` of one causal prefill.
 
     Args:
       strategy: as :func:`communication_bytes`.
-      S, L, N, K, H, D, itemsize: tokens, layers, query heads, kv heads (the whole model's),
-        head dim, sequence-parallel groups and bytes per element.
+      model: an :class:`offload.planning.ModelShape`: its layers, heads (the whole model's),
+        head dim and KV itemsize; its ``params`` give ``2 * params * S`` linear FLOPs, split
+        over the ``TP * D`` devices at ``device_flops`` (``None``: not counted).
       hardware: an :class:`offload.planning.Hardware` (FLOP/s, bandwidths, latency, overlap,
         ``attention_efficiency``).
+      S, D: tokens of the request and sequence-parallel groups.
       ulysses_degree: ``u`` of ``"usp"``.
-      params: the model's parameters: ``2 * params * S`` linear FLOPs, split over the
-        ``TP * D`` devices at ``device_flops`` (0: not counted).
       tensor_parallel: ``TP``: each device has ``N / TP`` query heads and ``K / TP`` kv
         heads (one, replicated, when ``K < TP``), and sends two all-reduces per layer over
         the intra-node link.
@@ -249,8 +251,11 @@ def estimate_prefill(
       attention and the linear layers together; only attention overlaps with a ring's hops.
     """
     tp = tensor_parallel
+    L, N, K, H = model.layers, model.query_heads, model.kv_heads, model.head_dim
+    itemsize, params = model.itemsize, model.params or 0
     comm_bytes = _tensor_parallel_bytes(S, N, H, D, itemsize, tp)
     N, K = N // tp, (K // tp if K % tp == 0 else 1)
+    heads = Heads(N, K, H, itemsize)
     attention_flops, linear_flops = prefill_flops(S=S, L=L, N=N, H=H, params=params)
     attention = attention_flops / D / (hardware.device_flops * hardware.attention_efficiency)
     linear = linear_flops / (D * tp) / hardware.device_flops
@@ -265,16 +270,14 @@ def estimate_prefill(
     steps = collective_steps(strategy, D, ulysses_degree) + (2 if tp > 1 else 0)
     latency = L * steps * hardware.collective_latency
     if strategy == "usp":  # the all-to-alls stay inside a node, the ring may cross nodes
-        a2a, ring = _usp_bytes(S, N, K, H, D, itemsize, ulysses_degree)
+        a2a, ring = _usp_bytes(heads, S, D, ulysses_degree)
         a2a_s = L * a2a / hardware.intra_node_bandwidth
         ring_s = L * ring / link
         communication = a2a_s + ring_s + tp_s
         hidden = max(attention, ring_s) if hardware.overlap else attention + ring_s
         total = hidden + linear + a2a_s + tp_s + memory + latency
     else:
-        sent = communication_bytes(
-            strategy, S=S, N=N, K=K, H=H, D=D, itemsize=itemsize, ulysses_degree=ulysses_degree
-        )
+        sent = communication_bytes(strategy, heads, S=S, D=D, ulysses_degree=ulysses_degree)
         sp_s = L * sent / link
         communication = sp_s + tp_s
         if strategy == "ring" and hardware.overlap:
@@ -285,32 +288,33 @@ def estimate_prefill(
 
 
 def estimate_decode(
-    *,
-    device_bytes: int | float,
-    host_bytes: int | float,
-    disk_bytes: int | float,
-    D: int,
+    tiers,
+    model,
     hardware,
-    weight_bytes_per_device: int | float = 0,
-    params: int = 0,
+    *,
+    D: int,
     tensor_parallel: int = 1,
+    weight_bytes_per_device: int | float = 0,
 ) -> float:
     """Seconds of one decode token (batch of one) that reads the whole KV of one request.
 
     Args:
-      device_bytes, host_bytes, disk_bytes: the request's KV bytes in each tier (all layers,
-        all devices of the group together).
-      D: sequence-parallel groups the KV is split over.
+      tiers: an :class:`offload.planning.Tiers`: the request's KV bytes on the device, on
+        the host and on disk (all layers, all devices of the group together).
+      model: an :class:`offload.planning.ModelShape`: its ``params`` give ``2 * params``
+        linear FLOPs per token (``None``: not counted).
       hardware: an :class:`offload.planning.Hardware`.
-      weight_bytes_per_device: the weights each device reads once per token.
-      params: the model's parameters (``2 * params`` linear FLOPs per token).
+      D: sequence-parallel groups the KV is split over.
       tensor_parallel: ``TP``: devices per group.
+      weight_bytes_per_device: the weights each device reads once per token.
 
     Returns:
-      ``max(weights / memory_bandwidth, 2 params / TP / device_flops) + device_bytes / (D TP)
-      / memory_bandwidth * decode_vs_bandwidth + host_bytes / (D TP) / (host_bandwidth *
-      page_in_efficiency) + disk_bytes / disk_bandwidth``.
+      ``max(weights / memory_bandwidth, 2 params / TP / device_flops) + device / (D TP)
+      / memory_bandwidth * decode_vs_bandwidth + host / (D TP) / (host_bandwidth *
+      page_in_efficiency) + disk / disk_bandwidth`` (the bytes of ``tiers``).
     """
+    params = model.params or 0
+    device_bytes, host_bytes, disk_bytes = tiers.device, tiers.host, tiers.disk
     devices = D * tensor_parallel
     linear = max(
         weight_bytes_per_device / hardware.memory_bandwidth,

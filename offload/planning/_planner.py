@@ -206,31 +206,12 @@ def plan(workload: Workload, hardware: Hardware) -> Plan:
             {"pages": pages, "usable_pages_per_device": placement["usable"], "degree": 1},
         )
         strategy = None
-        estimate = estimate_prefill(
-            None,
-            S=S,
-            L=L,
-            N=N,
-            K=K,
-            H=model.head_dim,
-            D=1,
-            itemsize=model.itemsize,
-            hardware=hardware,
-            params=model.params or 0,
-            tensor_parallel=tp,
-        )
+        estimate = estimate_prefill(None, model, hardware, S=S, D=1, tensor_parallel=tp)
         strategy_reasons = (
             Reason("model", "no sequence-parallel group: no strategy", {"degree": 1}),
         )
     decode = estimate_decode(
-        device_bytes=tiers.device,
-        host_bytes=tiers.host,
-        disk_bytes=tiers.disk,
-        D=D,
-        hardware=hardware,
-        weight_bytes_per_device=weights,
-        params=model.params or 0,
-        tensor_parallel=tp,
+        tiers, model, hardware, D=D, tensor_parallel=tp, weight_bytes_per_device=weights
     )
     cost = CostEstimate(*estimate, decode_step_s=decode)
     attention_flops, linear_flops = prefill_flops(

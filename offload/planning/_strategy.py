@@ -51,29 +51,9 @@ def _choose_strategy(model, hardware, D, S, free=None, tp=1):
     """(strategy, ulysses degree, estimate tuple, reasons); ``free``: bytes of a device's KV
     memory the request leaves free (default: all of it); ``tp``: devices per group."""
     free = hardware.device_memory if free is None else free
-    L, N, K, H, b = (
-        model.layers,
-        model.query_heads,
-        model.kv_heads,
-        model.head_dim,
-        model.itemsize,
-    )
     candidates = _strategy_candidates(model, hardware, D, S, free, tp)
     costs = {
-        s: estimate_prefill(
-            s,
-            S=S,
-            L=L,
-            N=N,
-            K=K,
-            H=H,
-            D=D,
-            itemsize=b,
-            hardware=hardware,
-            ulysses_degree=u,
-            params=model.params or 0,
-            tensor_parallel=tp,
-        )
+        s: estimate_prefill(s, model, hardware, S=S, D=D, ulysses_degree=u, tensor_parallel=tp)
         for s, u in candidates.items()
     }
     best = min(costs, key=lambda s: (costs[s][4], _STRATEGY_ORDER.index(s)))
@@ -83,7 +63,7 @@ def _choose_strategy(model, hardware, D, S, free=None, tp=1):
         if s in costs and s != best and costs[s][4] <= costs[best][4] * (1 + TIE_THRESHOLD)
     ]
     spans = D * tp > hardware.devices_per_node
-    N_r, K_r = N // tp, model.kv_heads_per_device(tp)
+    N_r, K_r = model.query_heads // tp, model.kv_heads_per_device(tp)
     heads = f"N={N_r} query heads, K={K_r} kv heads per device over D={D} sequence shards"
     notes = []
     if "ulysses" not in candidates:

@@ -392,9 +392,7 @@ def test_cost_model_agrees_with_the_measured_8_device_results():
     predicted = {}
     for s in measured:
         u = 4 if s == "usp" else 1
-        total = cost_model.estimate_prefill(
-            s, S=2048, L=1, N=8, K=2, H=64, D=8, itemsize=4, hardware=hw, ulysses_degree=u
-        )[4]
+        total = cost_model.estimate_prefill(s, model, hw, S=2048, D=8, ulysses_degree=u)[4]
         predicted[s] = total * 1e3
         assert 1 / 1.5 < predicted[s] / measured[s] < 1.5, (s, predicted[s], measured[s])
     assert sorted(measured, key=measured.get) == sorted(predicted, key=predicted.get)
@@ -404,26 +402,25 @@ def test_cost_model_agrees_with_the_measured_8_device_results():
     # And the ring alone at the other measured lengths.
     for path, S in ((RESULTS / "ring.md", 4096), (RESULTS / "ring_16k.md", 16384)):
         ms = _measured_causal_forward(path, S, 2)["ring"]
-        est = cost_model.estimate_prefill(
-            "ring", S=S, L=1, N=8, K=2, H=64, D=8, itemsize=4, hardware=hw
-        )[4]
+        est = cost_model.estimate_prefill("ring", model, hw, S=S, D=8)[4]
         assert 1 / 1.5 < est * 1e3 / ms < 1.5, (S, est * 1e3, ms)
 
 
 def test_communication_bytes_match_ring_md():
     """ring.md's 'Bytes sent per device, forward, S=4096' table (float32, N=8, H=64, D=8)."""
     mib = 2**20
-    kw = dict(S=4096, N=8, H=64, D=8, itemsize=4)
-    assert cost_model.communication_bytes("ring", K=8, **kw) == 14 * mib
-    assert cost_model.communication_bytes("allgather", K=8, **kw) == 14 * mib
-    assert cost_model.communication_bytes("ulysses", K=8, **kw) == 3.5 * mib
-    assert cost_model.communication_bytes("ring", K=2, **kw) == 3.5 * mib
-    assert cost_model.communication_bytes("ulysses", K=2, **kw) == 3.5 * mib
+    kw = dict(S=4096, D=8)
+    mha, gqa = (cost_model.Heads(N=8, K=K, H=64, itemsize=4) for K in (8, 2))
+    assert cost_model.communication_bytes("ring", mha, **kw) == 14 * mib
+    assert cost_model.communication_bytes("allgather", mha, **kw) == 14 * mib
+    assert cost_model.communication_bytes("ulysses", mha, **kw) == 3.5 * mib
+    assert cost_model.communication_bytes("ring", gqa, **kw) == 3.5 * mib
+    assert cost_model.communication_bytes("ulysses", gqa, **kw) == 3.5 * mib
     # USP, Ulysses over u=4 (kv heads repeated to lcm(2, 4) = 4), then a ring over 2 devices of
     # S/2 tokens and one kv head: (2 * 8 + 2 * 4) * 512 * 64 * 4 * 3/4 + 1 hop of 2 * 2048 * 64 * 4
-    usp = cost_model.communication_bytes("usp", K=2, ulysses_degree=4, **kw)
+    usp = cost_model.communication_bytes("usp", gqa, ulysses_degree=4, **kw)
     assert usp == 2_359_296 + 1_048_576
-    assert cost_model.communication_bytes(None, K=2, **kw) == 0
+    assert cost_model.communication_bytes(None, gqa, **kw) == 0
 
 
 # --- constants and citations come from the results files -----------------------------------
@@ -797,9 +794,7 @@ def test_strategies_within_one_percent_are_reported_as_a_tie():
     S, D = 256 * 1024, 8
     for hw, tie in ((h100s(8, 8), True), (dataclasses.replace(h100s(8, 8), overlap=False), False)):
         totals = {
-            s: cost_model.estimate_prefill(
-                s, S=S, L=4, N=8, K=8, H=64, D=D, itemsize=2, hardware=hw, ulysses_degree=u
-            )[4]
+            s: cost_model.estimate_prefill(s, model, hw, S=S, D=D, ulysses_degree=u)[4]
             for s, u in (("ring", 1), ("ulysses", 8))
         }
         margin = abs(totals["ring"] - totals["ulysses"]) / min(totals.values())
