@@ -47,8 +47,8 @@ def load_model(path=None, *, safetensors=None):
 
     if safetensors is not None:
         return weights.load_safetensors(safetensors), None
-    path = weights.smollm2_path() if path is None else pathlib.Path(path)
-    return weights.load_gguf(path), tokenizer_from_gguf(path)
+    reader = weights.open_gguf(weights.smollm2_path() if path is None else pathlib.Path(path))
+    return weights.load_gguf(reader), tokenizer_from_gguf(reader)  # the file parsed once
 
 
 def make_server(model: Llama, max_len: int, *, batch: int = 1, page_size: int = 16,

@@ -15,17 +15,19 @@ _CONTROL = 3  # llama.cpp's token type for control tokens
 
 
 def tokenizer_from_gguf(path):
-    """A ``tokenizers.Tokenizer`` from a local GGUF file of a ``gpt2``-model tokenizer.
+    """A ``tokenizers.Tokenizer`` from a local GGUF file of a ``gpt2``-model tokenizer, given
+    as a path or as an open reader (:func:`examples.llama.weights.open_gguf`).
 
     Example:
       >>> tok = tokenizer_from_gguf(smollm2_path())  # doctest: +SKIP
       >>> tok.decode(tok.encode("The passkey is 42.").ids)  # doctest: +SKIP
       'The passkey is 42.'
     """
-    import gguf
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    reader = gguf.GGUFReader(str(path))
+    from examples.llama.weights import open_gguf
+
+    reader = open_gguf(path)
     fields = reader.fields
     kind = fields["tokenizer.ggml.model"].contents()
     if kind != "gpt2":

@@ -35,6 +35,7 @@ __all__ = [
     "load_gguf",
     "load_safetensors",
     "model_from_arrays",
+    "open_gguf",
     "smollm2_path",
     "unpermute_rotary_rows",
 ]
@@ -112,8 +113,21 @@ def gguf_config(reader) -> LlamaConfig:
     )
 
 
+def open_gguf(path):
+    """A ``gguf.GGUFReader`` of ``path``, or ``path`` itself when it already is one.
+
+    Opening a file parses all its metadata (SmolLM2's vocabulary and merges: about 4 s), so
+    a caller that needs both the model and the tokenizer opens it once and passes the reader
+    to :func:`load_gguf` and :func:`~examples.llama.tokenizer.tokenizer_from_gguf`.
+    """
+    import gguf  # only the GGUF loaders need it
+
+    return path if isinstance(path, gguf.GGUFReader) else gguf.GGUFReader(str(path))
+
+
 def load_gguf(path) -> Llama:
-    """A float32 :class:`Llama` from a local GGUF file (every quantization ``gguf`` reads).
+    """A float32 :class:`Llama` from a local GGUF file (every quantization ``gguf`` reads),
+    given as a path or as an open reader (:func:`open_gguf`).
 
     Example:
       >>> model = load_gguf(smollm2_path())  # doctest: +SKIP
@@ -122,7 +136,7 @@ def load_gguf(path) -> Llama:
     """
     import gguf  # only this loader needs it
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     cfg = gguf_config(reader)
     arrays = {}
     for t in reader.tensors:

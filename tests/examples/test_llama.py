@@ -328,7 +328,8 @@ def smollm2():
         pytest.fail(str(e))
     from examples.llama.tokenizer import tokenizer_from_gguf
 
-    return weights.load_gguf(path), tokenizer_from_gguf(path)
+    reader = weights.open_gguf(path)  # parsed once for both
+    return weights.load_gguf(reader), tokenizer_from_gguf(reader)
 
 
 def test_reference_file_is_small_and_complete(reference):
