@@ -120,7 +120,16 @@ def _check_q_bounds(fn: str, q, bounds, page_table, lengths):
     return q
 
 
-def _check_budget(fn: str, budget, sink_pages, recent_pages):
+class Budget(NamedTuple):
+    """A selection's static sizes (checked): ``budget`` pages read, of which the first
+    ``sink`` and the last ``recent`` live pages always."""
+
+    budget: int
+    sink: int
+    recent: int
+
+
+def _check_budget(fn: str, budget, sink_pages, recent_pages) -> Budget:
     budget = int_option(fn, "budget", budget, minimum=1)
     sink = int_option(fn, "sink_pages", sink_pages, minimum=0)
     recent = int_option(fn, "recent_pages", recent_pages, minimum=0)
@@ -129,7 +138,7 @@ def _check_budget(fn: str, budget, sink_pages, recent_pages):
             f"{fn}: budget: expected at least sink_pages + recent_pages = {sink + recent} "
             f"pages (always read), got {budget}"
         )
-    return budget, sink, recent
+    return Budget(budget, sink, recent)
 
 
 def page_logit_bounds(
@@ -233,21 +242,23 @@ def select_pages_by_query(
     fn = "select_pages_by_query"
     q = _check_q_bounds(fn, q, bounds, page_table, lengths)
     C = int_option(fn, "page_size", page_size, minimum=1)
-    budget, sink, recent = _check_budget(fn, budget, sink_pages, recent_pages)
-    return _select_impl(q, bounds, page_table, lengths, C, budget, sink, recent)
+    rule = _check_budget(fn, budget, sink_pages, recent_pages)
+    return _select_impl(q, bounds, page_table, lengths, C, rule)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
-def _select_impl(q, bounds, page_table, lengths, C, budget, sink, recent):
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _select_impl(q, bounds, page_table, lengths, C: int, rule: Budget):
     P = bounds.k_min.shape[1]
     table = page_table.astype(jnp.int32)
     score = jnp.max(_logit_bounds(q, bounds, table), axis=1)  # [B, M]
-    return select_from_scores(score, table, lengths, P, C, budget, sink, recent)
+    return select_from_scores(score, table, lengths, (P, C), rule)
 
 
-def select_from_scores(score, table, lengths, P: int, C: int, budget: int, sink: int, recent: int):
-    """The :class:`PageSelection` of bounds ``score [B, M]`` over ``table [B, M]`` (jittable;
-    the sizes static)."""
+def select_from_scores(score, table, lengths, sizes: tuple[int, int], rule: Budget):
+    """The :class:`PageSelection` of bounds ``score [B, M]`` over ``table [B, M]`` of a pool
+    of ``sizes = (P, C)`` (pages, tokens per page) by ``rule`` (jittable; the sizes
+    static)."""
+    (P, C), (budget, sink, recent) = sizes, rule
     M = table.shape[1]
     n_pages = (jnp.maximum(lengths.astype(jnp.int32), 0) + C - 1) // C
     idx = jnp.arange(M, dtype=jnp.int32)[None]

@@ -32,13 +32,13 @@ from paged._summaries import PageKeyBounds
 __all__ = ["retrieval_attention"]
 
 
-@functools.partial(jax.jit, static_argnames=("C", "budget", "sink", "recent", "softcap", "scale"))
-def per_kv_head_attention(
-    q, k_pages, v_pages, bounds, page_table, lengths, sinks, *, C, budget, sink, recent,
-    softcap, scale,
-):  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("C", "rule", "logits"))
+def per_kv_head_attention(q, pools, bounds, view, sinks, *, C, rule, logits):
     """``PagedAttentionOutput`` of ``q [B, T, N, H]`` with each kv head over its own selection
-    (arguments as :func:`paged.retrieval_attention`'s, checked there)."""
+    of ``rule`` (a ``Budget``); ``pools = (k_pages, v_pages)``, ``view = (page_table,
+    lengths)``, ``logits = (softcap, scale)`` (as :func:`paged.retrieval_attention`'s, checked
+    there)."""
+    (k_pages, v_pages), (page_table, lengths), (softcap, scale) = pools, view, logits
     K, P, _ = bounds.k_min.shape
     B, T, N, H = q.shape
     G = N // K
@@ -50,7 +50,7 @@ def per_kv_head_attention(
     positions = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)
 
     def head(score, q_h, k_h, v_h, sinks_h):
-        sel = select_from_scores(score, table, lengths, P, C, budget, sink, recent)
+        sel = select_from_scores(score, table, lengths, (P, C), rule)
         rt = _table_impl(sel.slots, table, lengths, C)
         res = paged_attention(
             q_h, retrieval_pool(k_h, rt.offset), retrieval_pool(v_h, rt.offset),
@@ -125,16 +125,16 @@ def retrieval_attention(
     if getattr(k_pages, "residual", None) is not None:
         recent_pages = max(int_option(fn, "recent_pages", recent_pages, minimum=0),
                            k_pages.format.residual_pages(C))  # fmt: skip
-    budget, sink, recent = _check_budget(fn, budget, sink_pages, recent_pages)
+    rule = _check_budget(fn, budget, sink_pages, recent_pages)
     if per_kv_head:
         res = per_kv_head_attention(
-            q4, k_pages, v_pages, bounds, page_table, lengths, sinks, C=C, budget=budget,
-            sink=sink, recent=recent, softcap=softcap, scale=scale,
+            q4, (k_pages, v_pages), bounds, (page_table, lengths), sinks, C=C, rule=rule,
+            logits=(softcap, scale),
         )  # fmt: skip
         if q.ndim == 3:
             return PagedAttentionOutput(res.out[:, 0], res.lse[:, 0], None)
         return res
-    sel = _select_impl(q4, bounds, page_table, lengths, C, budget, sink, recent)
+    sel = _select_impl(q4, bounds, page_table, lengths, C, rule)
     rt = _table_impl(sel.slots, page_table, lengths, C)
     T = q4.shape[1]
     q_positions = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)
