@@ -222,13 +222,13 @@ def ragged_paged_attention(
     opts = kernel_options(
         fn, spec, N, H, pages_per_block, page_table.shape[1], bool(return_page_mass)
     )
-    batch = (jnp.asarray(page_table), jnp.asarray(lengths), jnp.asarray(cu_q_lens))
+    batch = (*map(jnp.asarray, (page_table, lengths, cu_q_lens)), num_seqs.reshape(()))
     return forward_only(
         fn,
         _ragged_impl,
         q,
         (k_pages, v_pages),
-        (*batch, num_seqs.reshape(())),
+        batch,
         sinks,
         heads,
         opts=opts,

@@ -251,10 +251,10 @@ def estimate_prefill(
       attention and the linear layers together; only attention overlaps with a ring's hops.
     """
     tp = tensor_parallel
-    L, N, K, H = model.layers, model.query_heads, model.kv_heads, model.head_dim
+    L, N, H = model.layers, model.query_heads, model.head_dim
     itemsize, params = model.itemsize, model.params or 0
     comm_bytes = _tensor_parallel_bytes(S, N, H, D, itemsize, tp)
-    N, K = N // tp, (K // tp if K % tp == 0 else 1)
+    N, K = N // tp, model.kv_heads_per_device(tp)
     heads = Heads(N, K, H, itemsize)
     attention_flops, linear_flops = prefill_flops(S=S, L=L, N=N, H=H, params=params)
     attention = attention_flops / D / (hardware.device_flops * hardware.attention_efficiency)
