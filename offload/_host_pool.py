@@ -10,7 +10,9 @@ between a device's own device pages and its own host slots, never across devices
 A quantized device pool (``paged.QuantizedPages``) gets a quantized host pool: its ``data``
 and ``scale`` leaves (and a kivi2 pool's ``zero`` leaf) all live in pinned host memory, each
 with the sharding of the device leaf it mirrors, and every transfer moves the leaves of the
-same pages together, as stored (no dequantization). Every leaf has its page axis at index
+same pages together, as stored (no dequantization). A cache's per-layer pools
+(``paged.LayerPools``, one buffer per layer) get a host pool of per-layer buffers too, and
+every copy runs layer by layer, each layer's buffer written in place. Every leaf has its page axis at index
 ``pool.ndim - 3`` (``ndim`` being the float pool's rank), so the copy kernels treat each leaf
 as a pool of its own. A kivi2 pool's residual pages (``residual``, ``residual_len``: one open
 page per sequence row, not per page) never move: a host pool has none, and a transfer into a
@@ -28,7 +30,7 @@ from jaxtyping import Array, Shaped
 
 from offload._checks import check_int
 from offload._tiers import HOST_MEMORY_KINDS, PINNED_HOST, host_memory_kind
-from paged import QuantizedPages
+from paged import LayerPools, QuantizedPages
 
 __all__ = ["HostPagePool", "make_host_page_pool"]
 
@@ -64,9 +66,23 @@ class HostPagePool(NamedTuple):
         return page_shards(self.k_pages)
 
 
+def first(pool):
+    """Layer 0 of per-layer pools (``paged.LayerPools``), else the pool: what carries the
+    kind (float or quantized), format and sharding."""
+    return pool.layers[0] if isinstance(pool, LayerPools) else pool
+
+
+def page_axis(pool) -> int:
+    """The page axis of each leaf of ``pool`` (``ndim - 3`` of a layer for per-layer pools)."""
+    return first(pool).ndim - 3
+
+
 def leaves(pool) -> list:
     """The stored page arrays of a pool: ``[data, scale]`` for ``paged.QuantizedPages``
-    (``[data, scale, zero]`` for kivi2; never the residual), else ``[pool]``."""
+    (``[data, scale, zero]`` for kivi2; never the residual), else ``[pool]``; per-layer pools
+    (``paged.LayerPools``) give their layers' leaves one layer after the other."""
+    if isinstance(pool, LayerPools):
+        return [leaf for layer in pool.layers for leaf in leaves(layer)]
     if isinstance(pool, QuantizedPages):
         return [pool.data, pool.scale] + ([] if pool.zero is None else [pool.zero])
     return [pool]
@@ -75,6 +91,11 @@ def leaves(pool) -> list:
 def rebuild(like, arrays):
     """A pool of ``like``'s kind (float or quantized, same format and grouping) from its leaf
     arrays; a kivi2 ``like`` keeps its residual pages (``residual``, ``residual_len``)."""
+    if isinstance(like, LayerPools):
+        n = len(leaves(like.layers[0]))
+        return LayerPools(
+            rebuild(layer, arrays[i * n : (i + 1) * n]) for i, layer in enumerate(like.layers)
+        )
     if isinstance(like, QuantizedPages):
         data, scale, *rest = arrays
         zero = rest[0] if rest else None
@@ -85,6 +106,8 @@ def rebuild(like, arrays):
 
 def without_residual(pool):
     """``pool`` without a kivi2 residual (a host pool, or a selection of pages, has none)."""
+    if isinstance(pool, LayerPools):
+        return LayerPools(without_residual(layer) for layer in pool.layers)
     if isinstance(pool, QuantizedPages) and pool.residual is not None:
         return dataclasses.replace(pool, residual=None, residual_len=None)
     return pool
@@ -97,12 +120,16 @@ def stat_shape(kv_format, grouping: str, data_shape) -> tuple[int, ...]:
 
 
 def main_leaf(pool) -> jax.Array:
-    """The array that carries a pool's shape and sharding (``data`` of a quantized pool)."""
+    """The array that carries a pool's shape and sharding (``data`` of a quantized pool; layer
+    0's of per-layer pools)."""
+    pool = first(pool)
     return pool.data if isinstance(pool, QuantizedPages) else pool
 
 
 def describe_pool(x) -> str:
     """``"float pool float32 (2, 4, 8, 16)"`` or ``"quantized int8 pool (...)"`` for messages."""
+    if isinstance(x, LayerPools) and x.layers:
+        return f"per-layer {describe_pool(x.layers[0])} x {len(x)} layers"
     if isinstance(x, QuantizedPages):
         return f"quantized {x.format.kind} pool {tuple(x.shape)}"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
@@ -233,8 +260,29 @@ def check_pool(fn: str, name: str, k, v) -> None:
     """``k`` and ``v`` are pools ``[K, P, C, H]`` or ``[L, K, P, C, H]`` of one shape/sharding.
 
     Both float arrays, or both ``paged.QuantizedPages`` of one format (data and scales
-    checked alike).
+    checked alike); or both ``paged.LayerPools`` of one ``L``, checked layer by layer.
     """
+    per_layer = (isinstance(k, LayerPools), isinstance(v, LayerPools))
+    if any(per_layer):
+        if not all(per_layer) or len(k) != len(v) or not len(k):
+            raise ValueError(
+                f"{fn}: {name}: expected k and v both per-layer pools (paged.LayerPools, a "
+                f"cache's k_pages / v_pages) of one L >= 1, or both pools, got "
+                f"{describe_pool(k)} and {describe_pool(v)}"
+            )
+        for i, (lk, lv) in enumerate(zip(k.layers, v.layers, strict=True)):
+            if getattr(lk, "ndim", None) != 4:
+                raise ValueError(
+                    f"{fn}: {name}: expected each layer a pool [K, P, C, H], got layer {i}: "
+                    f"{describe_pool(lk)}"
+                )
+            check_pool(fn, name, lk, lv)
+            if i and (describe_pool(lk) != describe_pool(k.layers[0])):
+                raise ValueError(
+                    f"{fn}: {name}: expected every layer like layer 0 "
+                    f"({describe_pool(k.layers[0])}), got layer {i}: {describe_pool(lk)}"
+                )
+        return
     quantized = (isinstance(k, QuantizedPages), isinstance(v, QuantizedPages))
     if quantized[0] != quantized[1]:
         raise ValueError(
@@ -284,6 +332,19 @@ def check_match(fn: str, host: HostPagePool, k, v=None) -> None:
     """The host pool mirrors device pool ``k`` (and ``v``: a kivi2 grouping each) (any page
     count; per-device slots if split)."""
     hk = host.k_pages
+    if isinstance(hk, LayerPools) != isinstance(k, LayerPools):
+        raise ValueError(
+            f"{fn}: host_pool: expected a host pool of k_pages' layout ({describe_pool(k)}: "
+            f"a cache's per-layer pools need a host pool made from them, a stacked pool a "
+            f"stacked one; build it with make_host_page_pool from the device pool), got "
+            f"{describe_pool(hk)}"
+        )
+    if isinstance(hk, LayerPools):
+        if len(hk) != len(k):
+            raise ValueError(f"{fn}: host_pool: expected {len(k)} layers (k_pages'), got {len(hk)}")
+        hk, k = hk.layers[0], k.layers[0]
+        host = HostPagePool(hk, host.v_pages.layers[0])
+        v = None if v is None else v.layers[0]
     if isinstance(hk, QuantizedPages) != isinstance(k, QuantizedPages):
         raise ValueError(
             f"{fn}: host_pool: expected a host pool of k_pages' kind ({describe_pool(k)}; float "
@@ -360,7 +421,7 @@ def zeros_pools(like_k, like_v, num_slots: int, memory_kind: str):
     residual)."""
     out = []
     for like in (like_k, like_v):
-        axis = like.ndim - 3
+        axis = page_axis(like)
         arrays = []
         for leaf in leaves(like):
             shape = (*leaf.shape[:axis], num_slots, *leaf.shape[axis + 1 :])

@@ -17,6 +17,7 @@ from offload._disk import CorruptCacheError, DiskStore
 from offload._host_pool import (
     HostPagePool,
     leaves,
+    page_axis,
     page_shards,
     rebuild,
     stat_shape,
@@ -25,7 +26,7 @@ from offload._host_pool import (
 from offload._page_copy import copy_pages
 from offload._page_numpy import gather_pages, scatter_pages
 from offload._tiers import PINNED_HOST
-from paged import KVFormat, QuantizedPages
+from paged import KVFormat, LayerPools, QuantizedPages
 
 # Disk entry arrays, in the leaf order of (k_pages, v_pages).
 _FLOAT_NAMES = ("k", "v")
@@ -37,6 +38,15 @@ def _entry_names(pool) -> tuple[str, ...]:
     if not isinstance(pool, QuantizedPages):
         return _FLOAT_NAMES
     return _KIVI2_NAMES if pool.zero is not None else _QUANTIZED_NAMES
+
+
+def _refuse_per_layer(fn: str, pool: HostPagePool) -> None:
+    if isinstance(pool.k_pages, LayerPools):
+        raise NotImplementedError(
+            f"{fn}: the disk tier does not take a per-layer host pool (paged.LayerPools, made "
+            "from a cache's k_pages / v_pages) yet; give the manager stacked pools "
+            "([L, K, P, C, H]) to spill to disk"
+        )
 
 
 def _format_array(kv_format: KVFormat) -> np.ndarray:
@@ -100,8 +110,9 @@ class DiskTier:
             )
         start = time.perf_counter()
         pool = self._host_pool
+        _refuse_per_layer(fn, pool)
         names = _entry_names(pool.k_pages)
-        axis = pool.k_pages.ndim - 3
+        axis = page_axis(pool.k_pages)
         ids = np.asarray(slots, np.int32)
         entry = {}
         if isinstance(pool.k_pages, QuantizedPages):
@@ -147,8 +158,9 @@ class DiskTier:
         fn = "OffloadManager.restore"
         store = self._require_disk(fn)
         start = time.perf_counter()
-        arrays = store.get(request_id)  # verified; raises before anything changes
         pool = self._host_pool
+        _refuse_per_layer(fn, pool)
+        arrays = store.get(request_id)  # verified; raises before anything changes
         parts = self._check_entry(fn, request_id, arrays, pool.k_pages, pool.v_pages)
         k = parts[0]
         n = k.shape[-3]

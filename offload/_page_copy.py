@@ -44,6 +44,7 @@ from offload._host_pool import (
     as_named,
     device_kind,
     leaves,
+    page_axis,
     page_shards,
     rebuild,
     replicated,
@@ -201,7 +202,7 @@ def _unflat(like_pair, arrays: list):
 
 
 def _copy_global(source, target, src: np.ndarray, dst: np.ndarray):
-    arrays, markers = _copy_leaves(_flat(source), _flat(target), target[0].ndim - 3, src, dst)
+    arrays, markers = _copy_leaves(_flat(source), _flat(target), page_axis(target[0]), src, dst)
     target_k, target_v = _unflat(target, arrays)
     return target_k, target_v, markers
 
@@ -309,10 +310,10 @@ def _copy_shards_fn(source_sharding, target_sharding, ndim: int, axis: int):
 
 def _copy_spmd(source, target, src: np.ndarray, dst: np.ndarray):
     """:func:`_copy_per_shard` as one program per leaf over the whole mesh."""
-    axis = target[0].ndim - 3
+    axis = page_axis(target[0])
     shards = page_shards(target[0])
-    per_source = source[0].shape[axis] // shards
-    per_target = target[0].shape[axis] // shards
+    per_source = source[0].shape[-3] // shards
+    per_target = target[0].shape[-3] // shards
     block = src // per_source  # == dst // per_target (check_same_shards)
     counts = np.bincount(block, minlength=shards).astype(np.int32)
     length = bucket(int(counts.max(initial=0)))
@@ -334,7 +335,7 @@ def _copy_spmd(source, target, src: np.ndarray, dst: np.ndarray):
 
 def _copy_per_shard(source, target, src: np.ndarray, dst: np.ndarray):
     """The copy run by each device on its own shards (pools split along the page axis)."""
-    axis = target[0].ndim - 3
+    axis = page_axis(target[0])
     sources, targets = _flat(source), _flat(target)
     source_maps = [{s.device: s for s in x.addressable_shards} for x in sources]
     target_maps = [{s.device: s for s in x.addressable_shards} for x in targets]
@@ -378,7 +379,7 @@ def copy_pages(source, target, src: np.ndarray, dst: np.ndarray):
       (never donated, so a handle can poll them after the pools move on).
     """
     if page_shards(target[0]) > 1 or page_shards(source[0]) > 1:
-        axis = target[0].ndim - 3
+        axis = page_axis(target[0])
         if page_shards(target[0]) == page_shards(source[0]) and _spmd_able(source, target, axis):
             k, v, markers = _copy_spmd(source, target, src, dst)
         else:

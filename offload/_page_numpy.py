@@ -11,6 +11,7 @@ import numpy as np
 
 from offload._host_pool import (
     as_named,
+    page_axis,
 )
 from offload._page_copy import _copy_pages_fn, _flat, _named_shard, _padded, _unflat, bucket
 
@@ -50,7 +51,7 @@ def scatter_pages(target, pages, dst: np.ndarray):
     Returns:
       ``(target_k, target_v)``, complete (this is the synchronous disk path).
     """
-    axis = target[0].ndim - 3
+    axis = page_axis(target[0])
     targets = _flat(target)
     new = tuple([] for _ in targets)
     for part in range(len(targets)):

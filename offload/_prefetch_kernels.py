@@ -48,17 +48,26 @@ def layer_sharding(sharding, ndim: int = 5):
 
 
 @functools.lru_cache(maxsize=64)
-def prefetch_fn(host_sharding, contiguous: bool, into: bool, ndim: int = 5):
+def prefetch_fn(
+    host_sharding, contiguous: bool, into: bool, ndim: int = 5, per_layer: bool = False
+):
     """Copies pages ``slots`` of one layer to device, into a donated buffer when ``into``.
 
     ``ndim``: the leaf's rank, 5 for ``[L, K, P, C, H]`` values, 4 for ``[L, K, P, C]`` scales.
+    ``per_layer``: the leaf is one layer's own buffer (``[K, P, C, H]``, a host pool of
+    ``paged.LayerPools``; ``ndim`` its rank), read with ``layer`` 0.
     """
-    target = layer_sharding(host_sharding, ndim)
+    if per_layer:
+        target = host_sharding.with_memory_kind(device_kind(host_sharding))
+    else:
+        target = layer_sharding(host_sharding, ndim)
     host_index = replicated(host_sharding, PINNED_HOST)
     device_index = replicated(host_sharding, device_kind(host_sharding))
 
     def fn(pool, layer, slots, out=None):
         marker = _async_marker(slots)
+        if per_layer:
+            pool = pool[None]  # a free reshape: the stacked kernel below, layer 0
         layer, slots = jax.device_put(layer, host_index), jax.device_put(slots, host_index)
         K, rest = pool.shape[1], pool.shape[3:]  # rest: (C, H) or (C,) for scales
         zeros = (0,) * len(rest)

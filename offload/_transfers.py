@@ -59,6 +59,7 @@ from offload._host_pool import (
     check_host,
     check_match,
     describe_pool,
+    first,
     leaves,
     page_shards,
     rebuild,
@@ -66,7 +67,7 @@ from offload._host_pool import (
 from offload._page_copy import check_same_shards, copy_pages
 from offload._prefetch_kernels import prefetch_fn, prefetch_pool_per_shard
 from offload._tiers import TransferHandle
-from paged import QuantizedPages
+from paged import LayerPools, QuantizedPages
 
 __all__ = ["page_in", "page_out", "prefetch_layer"]
 
@@ -256,6 +257,12 @@ def prefetch_layer(
     if slots.size == 0:
         raise ValueError(f"{fn}: host_slots: expected at least one slot, got none")
     shards = page_shards(host_pool.k_pages)
+    if shards > 1 and isinstance(host_pool.k_pages, LayerPools):
+        raise NotImplementedError(
+            f"{fn}: host_pool: a per-layer host pool (paged.LayerPools) split along the page "
+            "axis is not supported by prefetch_layer yet; fetch its pages with page_in, or "
+            "build the host pool from one layer's pools"
+        )
     if shards > 1:
         if into is not None:
             raise NotImplementedError(
@@ -279,9 +286,10 @@ def prefetch_layer(
             (k, v), "host_to_device", nbytes, request_id=request_id, done=tuple(mk + mv)
         )
     pool = host_pool.k_pages
+    lead = 0 if isinstance(pool, LayerPools) else 1  # a layer's leaves: [K, P, ...]
     if into is not None:
         want = (pool.shape[1], slots.size, *pool.shape[-2:])
-        quantized = isinstance(pool, QuantizedPages)
+        quantized = isinstance(first(pool), QuantizedPages)
 
         def fits(x, source):
             if not quantized:
@@ -294,32 +302,41 @@ def prefetch_layer(
                 and len(leaves(x)) == len(leaves(source))
                 and all(
                     isinstance(a, jax.Array)
-                    and a.shape == (h.shape[1], slots.size, *h.shape[3:])
+                    and a.shape == (h.shape[lead], slots.size, *h.shape[lead + 2 :])
                     and a.dtype == h.dtype
                     for a, h in zip(leaves(x), leaves(source), strict=True)
                 )
             )
 
         pair = (host_pool.k_pages, host_pool.v_pages)
+        if lead == 0:
+            pair = tuple(x.layers[layer] for x in pair)
         if (
             not isinstance(into, tuple)
             or len(into) != 2
             or not all(fits(x, h) for x, h in zip(into, pair, strict=True))
         ):
             got = [describe_pool(x) for x in into] if isinstance(into, tuple) else repr(into)
-            kind = f"quantized {pool.format.kind} pools" if quantized else "arrays"
+            kind = f"quantized {first(pool).format.kind} pools" if quantized else "arrays"
             raise ValueError(
                 f"{fn}: into: expected a pair of device {kind} {want} {pool.dtype}, got {got}"
             )
     contiguous = bool(np.all(np.diff(slots) == 1))
     out, markers = [], []
+    per_layer = isinstance(host_pool.k_pages, LayerPools)
     for part, source in enumerate((host_pool.k_pages, host_pool.v_pages)):
+        if per_layer:  # the layer's own host buffers
+            source, at = source.layers[layer], 0
+        else:
+            at = layer
         targets = leaves(into[part]) if into is not None else [None] * len(leaves(source))
         arrays = []
         for leaf, target in zip(leaves(source), targets, strict=True):
-            fetch = prefetch_fn(as_named(leaf.sharding), contiguous, into is not None, leaf.ndim)
+            fetch = prefetch_fn(
+                as_named(leaf.sharding), contiguous, into is not None, leaf.ndim, per_layer
+            )
             extra = () if target is None else (target,)
-            array, marker = fetch(leaf, np.int32(layer), slots, *extra)
+            array, marker = fetch(leaf, np.int32(at), slots, *extra)
             arrays.append(array)
             markers.append(marker)
         out.append(rebuild(source if into is None else into[part], arrays))

@@ -93,6 +93,7 @@ from paged._interop import (
     to_zero_based_table,
 )
 from paged._interop_ragged import JaxRaggedKV, from_jax_ragged_kv_pages, to_jax_ragged_kv_pages
+from paged._layers import LayerPools
 from paged._metrics import AllocatorStats
 from paged._pool import NULL_PAGE, OutOfPages
 from paged._quantized import KVFormat, QuantizedPages, quantize_pages, select_rows
@@ -121,6 +122,7 @@ __all__ = [
     "JaxScalePages",
     "KVFormat",
     "KVPoolPair",
+    "LayerPools",
     "OutOfPages",
     "PageAllocator",
     "DEFAULT_PAGES_PER_BLOCK",

@@ -69,6 +69,7 @@ from paged._checks import (
     pool_dtype,
     refuse_bias,
 )
+from paged._layers import LayerPools, read_layer
 from paged._page_walk import attend_sequence, kernel_options, pad_table
 from paged._pallas_decode import decode_config, pallas_decode
 from paged._quantized import QuantizedPages, is_quantized
@@ -298,8 +299,8 @@ def pallas_variant(fn: str, impl, backend: str, k_pages, return_page_mass) -> tu
 
 def paged_attention(
     q: Float[Array, "B T N H"],
-    k_pages: Float[Array, "K P C H"] | Float[Array, "L K P C H"] | QuantizedPages,
-    v_pages: Float[Array, "K P C H"] | Float[Array, "L K P C H"] | QuantizedPages,
+    k_pages: Float[Array, "K P C H"] | QuantizedPages | LayerPools | Float[Array, "L K P C H"],
+    v_pages: Float[Array, "K P C H"] | QuantizedPages | LayerPools | Float[Array, "L K P C H"],
     page_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     *,
@@ -350,14 +351,13 @@ def paged_attention(
         :func:`ringattn.blockwise_attention`), ``"xla"``, or ``"pallas"``: a Pallas decode
         kernel (:mod:`paged._pallas_decode`; Triton on GPU, Mosaic on TPU, interpret mode on
         CPU) with the same semantics, its ``pages_per_block`` pages per grid block.
-      layer: read layer ``layer`` of stacked pools ``[L, K, P, C, H]`` (a
-        ``PagedKVCache``'s ``k_pages`` / ``v_pages`` as they are): an int in ``[0, L)`` or a
-        traced integer scalar (clamped into range). The walk gathers its pages straight from
-        the stack, where slicing ``cache.k_pages[layer]`` first makes XLA copy that layer's
-        whole pool (a lone call then grows with the pool, not with the sequence). Measured
-        on XLA:CPU: inside a decode loop that also writes the pools (``write_layer``), this
-        path was 11x slower than slicing at batch 1 (the stack is copied instead): slice
-        there. A kivi2 stack is sliced (its residual window is per layer).
+      layer: with a cache's per-layer pools (``cache.k_pages``, ``cache.v_pages``: a
+        :class:`paged.LayerPools`), the layer to read: an int in ``[0, L)`` (the same as
+        passing ``cache.k_pages[layer]``: that layer's own buffer, no copy) or a traced
+        integer scalar (clamped into range; ``lax.switch`` over the layers' buffers). A stacked
+        ``[L, K, P, C, H]`` array is still read (its layers and heads merged), but a stack is
+        one buffer: written and read in one step, XLA copies it (see
+        ``benchmarks/bench_decode_scaling.py``); keep pools per layer.
       bias: must be None: this path takes no logit bias (ValueError, naming the
         single-device functions that take one: ringattn.blockwise_attention,
         ringattn.attention_reference, ringattn.dot_product_attention).
@@ -387,6 +387,17 @@ def paged_attention(
       ((1, 1, 2, 8), 1.0, None)
     """
     fn = "paged_attention"
+    if isinstance(k_pages, LayerPools) or isinstance(v_pages, LayerPools):
+        options = dict(
+            q_positions=q_positions, mask=mask, causal=causal, window=window, softcap=softcap,
+            scale=scale, sinks=sinks, pages_per_block=pages_per_block,
+            return_page_mass=return_page_mass, impl=impl, bias=bias,
+        )  # fmt: skip
+
+        def call(k, v):
+            return paged_attention(q, k, v, page_table, lengths, **options)
+
+        return read_layer(fn, k_pages, v_pages, layer, call)
     refuse_bias(fn, bias)
     check_array(fn, "q", q, 4, jnp.floating)
     B, T, N, _ = q.shape

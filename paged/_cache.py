@@ -1,8 +1,12 @@
 """A paged KV cache for all layers of a model, as a pytree of fixed structure.
 
-``PagedKVCache`` holds the pools of every layer, ``k_pages, v_pages [L, K, P, C, H]``, one page
-table ``page_table [B, M]`` shared by the layers (a page id names the same slot in every layer's
-pool) and ``lengths [B]``. The page size ``C`` is the static ``k_pages.shape[3]``.
+``PagedKVCache`` holds the pools of every layer, ``k_pages, v_pages``: each a
+:class:`paged.LayerPools` of ``L`` pools ``[K, P, C, H]``, one buffer per layer, standing for
+the stacked ``[L, K, P, C, H]`` (its ``shape``); one page table ``page_table [B, M]`` shared by
+the layers (a page id names the same slot in every layer's pool) and ``lengths [B]``. The page
+size ``C`` is the static ``k_pages.shape[3]``. One buffer per layer is what lets a jitted step
+with the cache donated write and read a layer in place: its cost is the tokens it touches, not
+the pool (a stacked buffer made XLA copy a layer per layer read).
 
 A model's step writes layer ``l``'s new KV with :func:`write_layer` and attends with
 :func:`paged.paged_attention` over ``lengths + T`` tokens; after the last layer,
@@ -30,6 +34,7 @@ pools are :class:`paged.QuantizedPages` (``data [L, K, P, C, H]`` int8 / float8_
 [L, K, P, C, H // group_size]`` bfloat16): every write quantizes each token's ``[H]`` vector
 per kv head on the way in, :func:`gather_kv` decodes to float32, and ``cache.k_pages[layer]`` is the
 layer's quantized pool, which the paged attention functions take as they take a float pool.
+(The shapes above are ``LayerPools.shape``; each layer holds ``[K, P, C, H]`` data.)
 
 Every function here is jittable as it is (``jax.jit(write)``); ``gather_kv`` takes its layer
 as a static argument (``jax.jit(gather_kv, static_argnums=1)``).
@@ -51,6 +56,7 @@ from paged._checks import (
     int_option,
     layer_index,
 )
+from paged._layers import LayerPools, as_layer_pools, unit_stack
 from paged._quantized import KVFormat, QuantizedPages, is_quantized, take_decoded
 
 __all__ = ["PagedKVCache", "gather_kv", "init_paged_cache", "with_page_table"]
@@ -62,17 +68,18 @@ class PagedKVCache(NamedTuple):
     """KV pools of all layers plus the page table and lengths of each sequence.
 
     Attributes:
-      k_pages: ``[L, K, P, C, H]`` keys; ``k_pages[l, h, page_table[b, i // C], i % C]`` is
-        token ``i`` of sequence ``b``. Page 0 is the null page. A float array, or a
-        :class:`paged.QuantizedPages` (``shape`` that shape; scales ``[L, K, P, C]``, int4
-        ``[L, K, P, C, H // group_size]``) for a cache built with a ``kv_format``.
-      v_pages: ``[L, K, P, C, H]`` values, of the same kind as ``k_pages``.
+      k_pages: keys, a :class:`paged.LayerPools` of ``L`` per-layer pools ``[K, P, C, H]``
+        (``shape`` ``[L, K, P, C, H]``); ``k_pages[l][h, page_table[b, i // C], i % C]`` is
+        token ``i`` of sequence ``b``. Page 0 is the null page. Each layer is a float array,
+        or a :class:`paged.QuantizedPages` (scales ``[K, P, C]``, int4
+        ``[K, P, C, H // group_size]``) for a cache built with a ``kv_format``.
+      v_pages: values, of the same kind as ``k_pages``.
       page_table: ``[B, M]`` int32 page ids (0 = no page).
       lengths: ``[B]`` int32 valid tokens per sequence.
     """
 
-    k_pages: Float[Array, "L K P C H"] | QuantizedPages
-    v_pages: Float[Array, "L K P C H"] | QuantizedPages
+    k_pages: LayerPools
+    v_pages: LayerPools
     page_table: Int[Array, "B M"]
     lengths: Int[Array, " B"]
 
@@ -89,7 +96,7 @@ class PagedKVCache(NamedTuple):
     @property
     def kv_format(self) -> KVFormat | None:
         """The pools' :class:`paged.KVFormat`, or None for float pools (static)."""
-        return self.k_pages.format if is_quantized(self.k_pages) else None
+        return self.k_pages[0].format if is_quantized(self.k_pages[0]) else None
 
 
 def init_paged_cache(
@@ -119,13 +126,14 @@ def init_paged_cache(
       max_pages_per_seq: ``M`` page-table slots per sequence.
       dtype: pool dtype (a float dtype). Still checked, but unused with a ``kv_format``.
       kv_format: None (float pools of ``dtype``, as always) or a :class:`paged.KVFormat`:
-        the pools are then :class:`paged.QuantizedPages` (data ``[L, K, P, C, H]`` in
-        ``kv_format.storage_dtype``, zero; scales ``[L, K, P, C]`` float32, zero; int4: data
-        ``[L, K, P, C, H // 2]`` uint8 and scales ``[L, K, P, C, H // group_size]``
-        bfloat16), read back as float32.
+        each layer's pool is then a :class:`paged.QuantizedPages` (data ``[K, P, C, H]`` in
+        ``kv_format.storage_dtype``, zero; scales ``[K, P, C]`` float32, zero; int4: data
+        ``[K, P, C, H // 2]`` uint8 and scales ``[K, P, C, H // group_size]`` bfloat16),
+        read back as float32.
 
     Returns:
-      A :class:`PagedKVCache`.
+      A :class:`PagedKVCache` whose ``k_pages`` and ``v_pages`` are :class:`paged.LayerPools`
+      of ``L`` separate buffers.
 
     Raises:
       ValueError: on a non-positive size, ``num_pages < 2``, a non-float dtype or a
@@ -152,42 +160,46 @@ def init_paged_cache(
     if not floating:
         raise ValueError(f"{fn}: dtype: expected a float dtype, got {dtype!r}")
     if kv_format is None:
-        k_pages = jnp.zeros((L, K, P, C, H), dtype)
-        v_pages = jnp.zeros_like(k_pages)
+
+        def pool(_=None):
+            return jnp.zeros((K, P, C, H), dtype)
+
+        roles = (None, None)
     elif isinstance(kv_format, KVFormat) and kv_format.kind == "kivi2":
         if H % 4:
             raise ValueError(f"{fn}: head_dim: kivi2 packs 4 codes a byte: H % 4 == 0, got {H}")
 
         def pool(grouping):
-            stats = kv_format.scale_shape((L, K, P, C, H), grouping)
+            stats = kv_format.scale_shape((K, P, C, H), grouping)
             return QuantizedPages(
-                jnp.zeros((L, K, P, C, H // 4), jnp.uint8),
+                jnp.zeros((K, P, C, H // 4), jnp.uint8),
                 jnp.zeros(stats, jnp.bfloat16),
                 kv_format,
                 zero=jnp.zeros(stats, jnp.bfloat16),
-                residual=jnp.zeros((L, K, B, kv_format.residual_pages(C) * C, H), jnp.float32),
-                residual_len=jnp.zeros((L, K, B), jnp.int32),
+                residual=jnp.zeros((K, B, kv_format.residual_pages(C) * C, H), jnp.float32),
+                residual_len=jnp.zeros((K, B), jnp.int32),
                 grouping=grouping,
             )
 
-        k_pages, v_pages = pool("channel"), pool("token")
+        roles = ("channel", "token")
     elif isinstance(kv_format, KVFormat):
         kv_format.check_head_dim(fn, "head_dim", H)
-        shape = (L, K, P, C, H)
+        shape = (K, P, C, H)
 
-        def pool():
+        def pool(_=None):
             return QuantizedPages(
                 jnp.zeros(kv_format.data_shape(shape), kv_format.storage_dtype),
                 jnp.zeros(kv_format.scale_shape(shape), kv_format.scale_dtype),
                 kv_format,
             )
 
-        k_pages, v_pages = pool(), pool()
+        roles = (None, None)
     else:
         raise ValueError(f"{fn}: kv_format: expected None or a paged.KVFormat, got {kv_format!r}")
+    # One buffer per layer (never one array sliced L ways), keys and values apart.
     return PagedKVCache(
-        k_pages=k_pages,
-        v_pages=v_pages,
+        k_pages=LayerPools(pool(roles[0]) for _ in range(L)),
+        v_pages=LayerPools(pool(roles[1]) for _ in range(L)),
         page_table=jnp.zeros((B, M), jnp.int32),
         lengths=jnp.zeros((B,), jnp.int32),
     )
@@ -208,7 +220,8 @@ def _check_cache_table(fn: str, cache: PagedKVCache, lengths=None, lengths_name=
 
 
 def _is_kivi(cache) -> bool:
-    return is_quantized(cache.k_pages) and cache.k_pages.format.kind == "kivi2"
+    first = cache.k_pages[0]
+    return is_quantized(first) and first.format.kind == "kivi2"
 
 
 def gather_kv(
@@ -245,13 +258,14 @@ def _gather_kv_impl(cache, layer):
     pos = jnp.arange(M * C)
     ok = jnp.repeat(page_ok, C, axis=1) & (pos[None] < cache.lengths[:, None])  # [B, S]
 
-    def one(pool):
-        x = take_decoded(pool[layer], (slice(None), ids))  # [K, B, M, C, H]
+    def one(pools):
+        pool = pools[layer]  # the layer's own buffer, read in place
+        x = take_decoded(pool, (slice(None), ids))  # [K, B, M, C, H]
         x = x.transpose(1, 2, 3, 0, 4).reshape(B, M * C, K, H)
         residual = getattr(pool, "residual", None)
         if residual is not None:  # kivi2: each sequence's recent pages from its window
-            res = residual[layer].transpose(1, 2, 0, 3)  # [B, W * C, K, H]
-            filled = pool.residual_len[layer, 0]  # [B] tokens written to the layer
+            res = residual.transpose(1, 2, 0, 3)  # [B, W * C, K, H]
+            filled = pool.residual_len[0]  # [B] tokens written to the layer
             inside, idx = _kivi.window_slot(pos[None], filled[:, None], C, res.shape[1] // C)
             tail = jnp.take_along_axis(res, idx[:, :, None, None], axis=1)
             x = jnp.where(inside[:, :, None, None], tail, x)
@@ -341,7 +355,11 @@ def with_page_table(
 @jax.jit
 def _reseat(cache, old_table):
     table, lengths = cache.page_table, cache.lengths
-    return cache._replace(
-        k_pages=_kivi.reseat(cache.k_pages, old_table, table, lengths),
-        v_pages=_kivi.reseat(cache.v_pages, old_table, table, lengths),
-    )
+
+    def one(pools):
+        return LayerPools(
+            _kivi.reseat(unit_stack(pool), old_table, table, lengths)[0]
+            for pool in as_layer_pools(pools)
+        )
+
+    return cache._replace(k_pages=one(cache.k_pages), v_pages=one(cache.v_pages))

@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from paged import _kivi
-from paged._cache import IntScalar, PagedKVCache, _check_cache_table, _is_kivi
+from paged._cache import IntScalar, PagedKVCache, _check_cache_table
 from paged._checks import (
     check_write_values,
     concrete_values,
@@ -24,6 +24,7 @@ from paged._checks import (
     is_int,
     layer_index,
 )
+from paged._layers import LayerPools, as_layer_pools, unit_stack
 from paged._quantized import is_quantized, set_tokens
 
 __all__ = ["advance", "append", "write", "write_layer"]
@@ -48,7 +49,7 @@ def _check_kv(fn: str, cache: PagedKVCache, k, v, *, per_layer: bool):
         raise ValueError(
             f"{fn}: k: expected shape {want} with L={L}, B={B}, K={K}, H={H}, got {k.shape}"
         )
-    if is_quantized(cache.k_pages):  # quantized from float32 on the way in
+    if is_quantized(cache.k_pages[0]):  # quantized from float32 on the way in
         return k.astype(jnp.float32), v.astype(jnp.float32)
     return k.astype(cache.k_pages.dtype), v.astype(cache.v_pages.dtype)
 
@@ -95,6 +96,9 @@ def write_layer(
     """Writes one layer's KV for positions ``start ... start + T - 1``; lengths unchanged.
 
     Jittable as it is (``jax.jit(write_layer)``; ``layer`` may then be traced) and vmappable.
+    A static ``layer`` writes that layer's buffer alone (in place when the cache is donated);
+    a traced one scatters into every layer with the other layers' tokens dropped (``L``
+    scatters of ``B * T`` tokens: the cost of the tokens, never of the pools).
 
     Args:
       cache: the cache.
@@ -120,7 +124,7 @@ def write_layer(
       >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
       >>> cache = with_page_table(cache, jnp.array([[3, 1]]))
       >>> cache = write_layer(cache, 0, jnp.ones((1, 3, 1, 8)), jnp.ones((1, 3, 1, 8)), 0)
-      >>> float(cache.k_pages[0, 0, 1, 0, 0]), float(cache.k_pages[0, 0, 1, 1, 0])
+      >>> float(cache.k_pages[0][0, 1, 0, 0]), float(cache.k_pages[0][0, 1, 1, 0])
       (1.0, 0.0)
     """
     fn = "write_layer"
@@ -130,6 +134,8 @@ def write_layer(
     start = _start_positions(fn, start, B)
     count = _count(fn, count, B, T)
     _check_targets(fn, cache, start, count)
+    if isinstance(layer, (int, np.integer)):
+        return _write_static_layer(cache, int(layer), k, v, start, count)
     return _write_layer_impl(cache, jnp.asarray(layer, jnp.int32), k, v, start, count)
 
 
@@ -153,22 +159,42 @@ def _count(fn: str, count, B: int, T: int):
     return jnp.clip(_start_positions(fn, count, B, "count"), 0, T)
 
 
+def _write_pool(cache, pool, select, x, start, count):
+    """One layer's pool with ``x [B, T, K, H]`` written at ``start`` (``select``: an int32
+    scalar, 0 writes and anything else drops every token)."""
+    unit = unit_stack(pool)  # [1, K, P, C, H]: the stacked kernels, on a free reshape
+    if is_quantized(pool) and pool.format.kind == "kivi2":
+        layers = jnp.reshape(select, (1,))
+        return _kivi_write(cache, unit, x[None], start, count, layers)[0]
+    ids, offset = _target_pages(cache, start, x.shape[1], count)
+    select = jnp.where(select == 0, 0, 1)  # 1 is past the unit stack: dropped
+    # Index [select, :, ids, offset]: the advanced indices broadcast to [B, T] and lead.
+    return set_tokens(unit, (select, slice(None), ids, offset), x)[0]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _write_static_layer(cache, layer, k, v, start, count):
+    zero = jnp.zeros((), jnp.int32)
+
+    def one(pools, x):
+        layers = list(as_layer_pools(pools))
+        layers[layer] = _write_pool(cache, layers[layer], zero, x, start, count)
+        return LayerPools(layers)
+
+    return cache._replace(k_pages=one(cache.k_pages, k), v_pages=one(cache.v_pages, v))
+
+
 @jax.jit
 def _write_layer_impl(cache, layer, k, v, start, count):
-    ids, offset = _target_pages(cache, start, k.shape[1], count)
-    L = cache.k_pages.shape[0]
-    layer = jnp.where((layer >= 0) & (layer < L), layer, L)  # out of range: dropped
-    if _is_kivi(cache):
-        layers = jnp.reshape(layer, (1,))
-        return cache._replace(
-            k_pages=_kivi_write(cache, cache.k_pages, k[None], start, count, layers),
-            v_pages=_kivi_write(cache, cache.v_pages, v[None], start, count, layers),
+    # A traced layer: every layer's buffer gets the scatter, all but ``layer``'s tokens
+    # dropped (out of range: all dropped).
+    def one(pools, x):
+        return LayerPools(
+            _write_pool(cache, pool, layer - i, x, start, count)
+            for i, pool in enumerate(as_layer_pools(pools))
         )
-    # Index [layer, :, ids, offset]: the advanced indices broadcast to [B, T] and lead.
-    index = (layer, slice(None), ids, offset)
-    k_pages = set_tokens(cache.k_pages, index, k)
-    v_pages = set_tokens(cache.v_pages, index, v)
-    return cache._replace(k_pages=k_pages, v_pages=v_pages)
+
+    return cache._replace(k_pages=one(cache.k_pages, k), v_pages=one(cache.v_pages, v))
 
 
 def advance(cache: PagedKVCache, n: Int[Array, " B"] | Int[Array, ""] | IntScalar) -> PagedKVCache:
@@ -283,21 +309,15 @@ def _write_impl(cache, k, v, start, count, given: bool):
     L, _, T = k.shape[:3]
     end = jnp.where(count > 0, start + count, cache.lengths) if given else start + T
     lengths = jnp.clip(jnp.maximum(cache.lengths, end), 0, cache.capacity)
-    if _is_kivi(cache):
-        layers = jnp.arange(L, dtype=jnp.int32)
-        return PagedKVCache(
-            _kivi_write(cache, cache.k_pages, k, start, count, layers),
-            _kivi_write(cache, cache.v_pages, v, start, count, layers),
-            cache.page_table,
-            lengths,
+    zero = jnp.zeros((), jnp.int32)
+
+    def one(pools, x):
+        return LayerPools(
+            _write_pool(cache, pool, zero, x[i], start, count)
+            for i, pool in enumerate(as_layer_pools(pools))
         )
-    ids, offset = _target_pages(cache, start, T, count)
-    # [L, :, ids, offset] -> indexed shape [L, B, T, K, H] (advanced dims after the slice).
-    layers = jnp.arange(L)[:, None, None]
-    index = (layers, slice(None), ids[None], offset[None])
-    k_pages = set_tokens(cache.k_pages, index, k)
-    v_pages = set_tokens(cache.v_pages, index, v)
-    return PagedKVCache(k_pages, v_pages, cache.page_table, lengths)
+
+    return PagedKVCache(one(cache.k_pages, k), one(cache.v_pages, v), cache.page_table, lengths)
 
 
 def _kivi_write(cache, pool, x, start, count, layers):

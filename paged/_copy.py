@@ -18,6 +18,7 @@ from jaxtyping import Array, Int
 
 from paged._cache import PagedKVCache
 from paged._checks import describe
+from paged._layers import LayerPools, as_layer_pools
 
 __all__ = ["CopyPlan", "copy_pages"]
 
@@ -100,8 +101,9 @@ def copy_pages(cache: PagedKVCache, plan: CopyPlan) -> PagedKVCache:
     Example:
       >>> from paged._cache import init_paged_cache
       >>> cache = init_paged_cache(1, 1, 4, 2, 8, batch=1, max_pages_per_seq=2)
-      >>> cache = cache._replace(k_pages=cache.k_pages.at[:, :, 1].set(5.0))
-      >>> float(copy_pages(cache, CopyPlan([1], [3])).k_pages[0, 0, 3, 0, 0])
+      >>> layer0 = cache.k_pages[0].at[:, 1].set(5.0)
+      >>> cache = cache._replace(k_pages=LayerPools([layer0]))
+      >>> float(copy_pages(cache, CopyPlan([1], [3])).k_pages[0][0, 3, 0, 0])
       5.0
     """
     fn = "copy_pages"
@@ -134,19 +136,22 @@ def _copy_pages_impl(cache, src, dst):
     src_ok = (src > 0) & (src < P)
     dst = jnp.where((dst > 0) & (dst < P), dst, P)
 
-    def one(pool):  # a float pool [L, K, P, C, H], or a quantized pool's data or scales
-        data = jnp.take(pool, jnp.where(src_ok, src, 0), axis=2)  # [L, K, n, C, ...]
-        ok = src_ok.reshape(1, 1, -1, *(1,) * (pool.ndim - 3))
+    def one(pool):  # one layer's float pool [K, P, C, H], or a quantized pool's data or scales
+        data = jnp.take(pool, jnp.where(src_ok, src, 0), axis=1)  # [K, n, C, ...]
+        ok = src_ok.reshape(1, -1, *(1,) * (pool.ndim - 2))
         data = jnp.where(ok, data, jnp.zeros((), pool.dtype))
-        return pool.at[:, :, dst].set(data, mode="drop")
+        return pool.at[:, dst].set(data, mode="drop")
 
     # A quantized pool copies its stored values and scales as they are (no re-quantization);
     # a kivi2 pool's residual belongs to sequence rows, not pages, and stays as it is.
-    def pool_copy(pool):
+    def layer_copy(pool):
         residual = getattr(pool, "residual", None)
         if residual is None:
             return jax.tree.map(one, pool)
         copied = jax.tree.map(one, dataclasses.replace(pool, residual=None))
         return dataclasses.replace(copied, residual=residual)
+
+    def pool_copy(pools):  # layer by layer, each buffer written in place
+        return LayerPools(layer_copy(pool) for pool in as_layer_pools(pools))
 
     return cache._replace(k_pages=pool_copy(cache.k_pages), v_pages=pool_copy(cache.v_pages))

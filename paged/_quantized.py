@@ -133,6 +133,12 @@ class QuantizedPages:
             self.grouping,
         )
 
+    def __iter__(self):  # over the leading axis (its layers, for a stacked pool)
+        return (self[i] for i in range(self.data.shape[0]))
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The decoded stored pages ``[*lead, C, H]`` (a full copy: for tests and export;
         without a kivi2 pool's residual pages, which :func:`paged.gather_kv` applies)."""

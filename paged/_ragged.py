@@ -39,6 +39,7 @@ from paged._checks import (
     pool_dtype,
     refuse_bias,
 )
+from paged._layers import LayerPools, read_layer
 from paged._page_walk import attend_sequence, kernel_options, pad_table
 from paged._quantized import QuantizedPages
 
@@ -112,8 +113,8 @@ def _ragged_impl(q, pools, batch, sinks, heads=None, *, opts, queries_per_block)
 
 def ragged_paged_attention(
     q: Float[Array, "Q N H"],
-    k_pages: Float[Array, "K P C H"] | Float[Array, "L K P C H"] | QuantizedPages,
-    v_pages: Float[Array, "K P C H"] | Float[Array, "L K P C H"] | QuantizedPages,
+    k_pages: Float[Array, "K P C H"] | QuantizedPages | LayerPools | Float[Array, "L K P C H"],
+    v_pages: Float[Array, "K P C H"] | QuantizedPages | LayerPools | Float[Array, "L K P C H"],
     page_table: Int[Array | np.ndarray, "B M"],
     lengths: Int[Array | np.ndarray, " B"],
     cu_q_lens: Int[Array | np.ndarray, " B+1"],
@@ -161,14 +162,10 @@ def ragged_paged_attention(
       queries_per_block: query rows per step (clamped to ``Q``).
       return_page_mass: also compute ``page_mass [B, N, M]``, the probability each
         page-table slot received, summed over each sequence's query rows.
-      layer: read layer ``layer`` of stacked pools ``[L, K, P, C, H]`` (a
-        ``PagedKVCache``'s ``k_pages`` / ``v_pages`` as they are): an int in ``[0, L)`` or a
-        traced integer scalar (clamped into range). The walk gathers its pages straight from
-        the stack, where slicing ``cache.k_pages[layer]`` first makes XLA copy that layer's
-        whole pool (a lone call then grows with the pool, not with the sequence). Measured
-        on XLA:CPU: inside a decode loop that also writes the pools (``write_layer``), this
-        path was 11x slower than slicing at batch 1 (the stack is copied instead): slice
-        there. A kivi2 stack is sliced (its residual window is per layer).
+      layer: with a cache's per-layer pools (a :class:`paged.LayerPools`), the layer to
+        read, as in :func:`paged_attention`: an int (that layer's own buffer) or a traced
+        integer scalar (``lax.switch`` over the layers). A stacked ``[L, K, P, C, H]`` array
+        is still read, at the cost of XLA copying the stack when a step also writes it.
       bias: must be None: this path takes no logit bias (ValueError, naming the
         single-device functions that take one: ringattn.blockwise_attention,
         ringattn.attention_reference, ringattn.dot_product_attention).
@@ -193,6 +190,19 @@ def ragged_paged_attention(
       ((3, 2, 8), (3, 2))
     """
     fn = "ragged_paged_attention"
+    if isinstance(k_pages, LayerPools) or isinstance(v_pages, LayerPools):
+        options = dict(
+            mask=mask, causal=causal, window=window, softcap=softcap, scale=scale, sinks=sinks,
+            pages_per_block=pages_per_block, queries_per_block=queries_per_block,
+            return_page_mass=return_page_mass, bias=bias,
+        )  # fmt: skip
+
+        def call(k, v):
+            return ragged_paged_attention(
+                q, k, v, page_table, lengths, cu_q_lens, num_seqs, **options
+            )
+
+        return read_layer(fn, k_pages, v_pages, layer, call)
     refuse_bias(fn, bias)
     check_array(fn, "q", q, 3, jnp.floating)
     total, N, _ = q.shape

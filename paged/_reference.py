@@ -9,8 +9,6 @@ windows, masked keys having no effect) and nothing of its block walking. They bu
 (``jax.jit(functools.partial(paged_attention_reference, window=8))``).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +34,7 @@ from paged._checks import (
     describe,
     pool_dtype,
 )
+from paged._layers import LayerPools
 from paged._quantized import QuantizedPages
 
 __all__ = ["paged_attention_reference", "ragged_paged_attention_reference"]
@@ -46,8 +45,8 @@ def _dense(k_pages, v_pages, page_table, lengths):
     P, C = k_pages.shape[1], k_pages.shape[2]
     page_table = jnp.asarray(page_table, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
-    add_layer = functools.partial(jax.tree.map, lambda x: x[None])  # float or quantized
-    cache = PagedKVCache(add_layer(k_pages), add_layer(v_pages), page_table, lengths)
+    one = LayerPools((k_pages,)), LayerPools((v_pages,))  # float or quantized
+    cache = PagedKVCache(*one, page_table, lengths)
     k, v = gather_kv(cache, 0)
     S = k.shape[1]
     page_ok = (page_table > 0) & (page_table < P)

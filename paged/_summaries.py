@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int
 from paged import _kivi
 from paged._cache import PagedKVCache
 from paged._checks import check_array, concrete_values, describe, int_option, layer_index
+from paged._layers import as_layer_pools, on_layer
 from paged._quantized import take_decoded
 
 __all__ = ["PageKeyBounds", "copy_key_bounds", "page_key_bounds", "refresh_key_bounds"]
@@ -167,7 +168,11 @@ def _bounds_impl(cache, lengths):
     page_ok = (table > 0) & (table < P)
     ids = jnp.where(page_ok, table, 0)
     slots = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B, M))
-    lo, hi = _row_bounds(cache.k_pages, ids, slots, lengths, _filled(cache.k_pages), C)
+    rows = [
+        _row_bounds(pool, ids, slots, lengths, _filled(pool), C)
+        for pool in as_layer_pools(cache.k_pages)
+    ]
+    lo, hi = (jnp.stack(x) for x in zip(*rows, strict=True))  # [L, K, B, M, H]
     target = jnp.where(page_ok, ids, P)  # [B, M]; P: dropped
     k_min = jnp.full((L, K, P, H), jnp.inf, jnp.float32).at[:, :, target].min(lo, mode="drop")
     k_max = jnp.full((L, K, P, H), -jnp.inf, jnp.float32).at[:, :, target].max(hi, mode="drop")
@@ -267,9 +272,11 @@ def _refresh_impl(bounds, cache, start, layer, lengths, T: int):
     page_ok = in_table & (ids > 0) & (ids < P)
     ids = jnp.where(page_ok, ids, 0)
     at = jnp.clip(layer, 0, L - 1)
-    pool = cache.k_pages[at]  # [K, P, C, H] (kivi2: with its window rows)
-    filled = _filled(pool)
-    lo, hi = _row_bounds(pool, ids, slots, lengths, filled, C)  # [K, B, n, H]
+
+    def rows(pool):  # [K, P, C, H] (kivi2: with its window rows), read in place
+        return _row_bounds(pool, ids, slots, lengths, _filled(pool), C)  # [K, B, n, H]
+
+    lo, hi = on_layer(cache.k_pages, at, rows)
     target = jnp.where(page_ok & (layer >= 0) & (layer < L), ids, P)  # P: dropped
     k_min = bounds.k_min.at[at, :, target].set(lo.transpose(1, 2, 0, 3), mode="drop")
     k_max = bounds.k_max.at[at, :, target].set(hi.transpose(1, 2, 0, 3), mode="drop")

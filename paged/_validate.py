@@ -14,6 +14,7 @@ from jaxtyping import Array, Int
 
 from paged._cache import PagedKVCache
 from paged._checks import check_array, check_quantized, host_int_array, int_option, pool_kind
+from paged._layers import LayerPools
 from paged._quantized import is_quantized
 
 __all__ = ["from_zero_based_table", "validate", "validate_page_table"]
@@ -112,6 +113,12 @@ def validate(cache: PagedKVCache) -> None:
     """
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"validate: cache: expected a PagedKVCache, got {type(cache).__name__}")
+    for name in ("k_pages", "v_pages"):
+        pools = getattr(cache, name)
+        if isinstance(pools, LayerPools):
+            _check_layers(name, pools)
+    # Checked on the host as one stack (a copy of the pools: validate is for debugging).
+    cache = cache._replace(k_pages=_stacked(cache.k_pages), v_pages=_stacked(cache.v_pages))
     quantized = is_quantized(cache.k_pages), is_quantized(cache.v_pages)
     if any(quantized):
         if not all(quantized) or cache.k_pages.format != cache.v_pages.format:
@@ -139,6 +146,30 @@ def validate(cache: PagedKVCache) -> None:
     )
     if any(quantized):
         _check_finite_tokens(cache)
+
+
+def _stacked(pools):
+    return pools.stacked() if isinstance(pools, LayerPools) else pools
+
+
+def _check_layers(name: str, pools: LayerPools) -> None:
+    """One shape, dtype and kind (format) in every layer of per-layer pools."""
+    if not pools.layers:
+        raise ValueError(f"validate: {name}: expected at least one layer, got none")
+    first = pools.layers[0]
+    for i, pool in enumerate(pools.layers):
+        same = (
+            getattr(pool, "shape", None) == first.shape
+            and getattr(pool, "dtype", None) == first.dtype
+            and is_quantized(pool) == is_quantized(first)
+            and (not is_quantized(pool) or pool.format == first.format)
+        )
+        if not same:
+            raise ValueError(
+                f"validate: {name}: expected every layer of one shape, dtype and kind (layer "
+                f"0: {pool_kind(first)!r} {first.shape} {first.dtype}), got layer {i}: "
+                f"{type(pool).__name__} {getattr(pool, 'shape', None)}"
+            )
 
 
 def _check_finite_tokens(cache: PagedKVCache) -> None:

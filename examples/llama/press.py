@@ -350,6 +350,12 @@ def _head(pool, h: int):
 def _take_pages(pool, ids: np.ndarray):
     """The pool ``[L, K, P, C, H]`` (or ``QuantizedPages``) restricted to pages ``ids``:
     ``[P']`` the same for every layer and head, or ``[L, K, P']`` one list each."""
+    if isinstance(pool, paged.LayerPools):  # a cache's per-layer pools: layer by layer
+        ids = np.asarray(ids)
+        return paged.LayerPools(
+            _take_pages(layer[None], ids if ids.ndim == 1 else ids[l : l + 1])[0]
+            for l, layer in enumerate(pool.layers)
+        )
     ids = jnp.asarray(ids)
     if ids.ndim == 1:
         take = lambda a: None if a is None else a[:, :, ids]
@@ -450,7 +456,7 @@ def answer(model: Llama, pre: Prefilled, keep: np.ndarray | None, forced: Sequen
             tables[l, h, slots] = np.arange(n_common + 1, n_common + 1 + slots.size)
             ids[l, h, n_common + 1 : n_common + 1 + slots.size] = slots + 1
     write_table = np.where(common, tables[0, 0], 0)[None]
-    kivi2 = isinstance(cache.k_pages, paged.QuantizedPages) and cache.k_pages.format.kind == "kivi2"
+    kivi2 = cache.kv_format is not None and cache.kv_format.kind == "kivi2"
     if kivi2 and not (keep | common).all():
         # kivi2 keeps a full-precision window per row beside its pages, so its pool is not
         # compacted here: the removed pages are masked out of every table (the attention

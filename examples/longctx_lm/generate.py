@@ -697,6 +697,8 @@ class Server:
 def _scrub(pool, ids):
     """``pool`` with pages ``ids`` overwritten by NaN (a quantized pool: its scales, and a
     kivi2 pool's zero-points; its residual pages are per sequence and stay)."""
+    if isinstance(pool, paged.LayerPools):  # a cache's per-layer pools, layer by layer
+        return paged.LayerPools(_scrub(layer[None], ids)[0] for layer in pool)
     if isinstance(pool, paged.QuantizedPages):
         zero = None if pool.zero is None else pool.zero.at[:, :, ids].set(jnp.nan)
         return dataclasses.replace(pool, scale=pool.scale.at[:, :, ids].set(jnp.nan), zero=zero)

@@ -40,7 +40,7 @@ def test_init_shapes_and_pytree():
     assert cache.k_pages.shape == (L, K, 10, C, H) and cache.k_pages.dtype == jnp.bfloat16
     assert cache.page_table.shape == (B, M) and cache.lengths.shape == (B,)
     assert cache.page_size == C and cache.capacity == M * C
-    assert len(jax.tree.leaves(cache)) == 4
+    assert len(jax.tree.leaves(cache)) == 2 * L + 2  # one buffer per layer, keys and values
     validate(cache)
     out = jax.jit(lambda c: advance(c, 2))(cache)
     assert isinstance(out, PagedKVCache) and out.lengths.tolist() == [2, 2, 2]
@@ -308,9 +308,8 @@ def test_copy_pages_is_vmappable_over_plans():
     cache = cache._replace(k_pages=cache.k_pages.at[:, :, 1].set(3.0))
     plans = CopyPlan(jnp.array([[1], [1]]), jnp.array([[2], [4]]))
     out = jax.vmap(copy_pages, in_axes=(None, 0))(cache, plans)
-    assert (
-        float(out.k_pages[0, 0, 0, 2, 0, 0]) == 3.0 and float(out.k_pages[1, 0, 0, 4, 0, 0]) == 3.0
-    )
+    layer0 = out.k_pages[0]  # [V, K, P, C, H]: the plans' axis leads each layer's buffer
+    assert float(layer0[0, 0, 2, 0, 0]) == 3.0 and float(layer0[1, 0, 4, 0, 0]) == 3.0
     assert float(out.k_pages[0, 0, 0, 4, 0, 0]) == 0.0
 
 

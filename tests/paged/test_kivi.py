@@ -302,7 +302,7 @@ def test_garbage_in_unreadable_slots_has_no_effect():
     q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
     clean = paged_attention(q, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths)
     C = cache.page_size
-    kp, vp = cache.k_pages, cache.v_pages
+    kp, vp = cache.k_pages.stacked(), cache.v_pages.stacked()
     # NaN in the residual past each row's written length, in pages no table row reaches, and
     # in the stored page under each open residual page.
     np.testing.assert_array_equal(kp.residual_len[0, 0], cache.lengths)
@@ -578,7 +578,7 @@ def test_window_option_errors():
     narrow = init_paged_cache(2, 2, 20, 4, 8, batch=3, max_pages_per_seq=6, kv_format=FMT)
     import dataclasses
 
-    wrong = dataclasses.replace(cache.k_pages, residual=narrow.k_pages.residual)
+    wrong = dataclasses.replace(cache.k_pages.stacked(), residual=narrow.k_pages.residual)
     q = jnp.ones((3, 1, 4, 8))
     with pytest.raises(ValueError, match=r"paged_attention: k_pages\.residual: expected float32"):
         paged_attention(q, wrong[0], cache.v_pages[0], cache.page_table, cache.lengths)
@@ -702,7 +702,7 @@ def test_garbage_outside_the_window_has_no_effect():
     C = cache.page_size
     q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
     clean = paged_attention(q, cache.k_pages[0], cache.v_pages[0], cache.page_table, cache.lengths)
-    kp = cache.k_pages
+    kp = cache.k_pages.stacked()
     res = np.array(kp.residual)  # [L, K, B, 3 * C, H]
     scale = np.array(kp.scale.astype(jnp.float32))
     table = np.asarray(cache.page_table)

@@ -280,7 +280,7 @@ def test_cache_writes_quantize_and_gather_decodes(kind):
     rng = np.random.default_rng(1)
     L, K, P, C, H, B, M = 2, 2, 9, 4, 8, 2, 3
     cache = init_paged_cache(L, K, P, C, H, batch=B, max_pages_per_seq=M, kv_format=fmt)
-    assert isinstance(cache.k_pages, QuantizedPages) and cache.kv_format == fmt
+    assert isinstance(cache.k_pages[0], QuantizedPages) and cache.kv_format == fmt
     assert cache.k_pages.shape == (L, K, P, C, H) and cache.k_pages.dtype == fmt.storage_dtype
     assert cache.k_pages.scale.shape == fmt.scale_shape((L, K, P, C, H))
     assert cache.k_pages.data.shape == fmt.data_shape((L, K, P, C, H))
@@ -345,19 +345,20 @@ def test_writes_vmap_over_a_stack_of_quantized_caches(kind):
     stacked = jax.tree.map(lambda x: jnp.stack([x, x, x]), cache)  # 3 independent caches
     k = jnp.asarray(rng.standard_normal((3, 1, 3, 1, 4)), jnp.float32)  # [V, B, T, K, H]
     out = jax.jit(jax.vmap(write_layer, in_axes=(0, None, 0, 0, None)))(stacked, 0, k, k, 0)
-    assert isinstance(out.k_pages, QuantizedPages) and out.k_pages.data.shape[0] == 3
+    assert isinstance(out.k_pages[0], QuantizedPages) and out.k_pages[0].data.shape[0] == 3
     for i in range(3):
         one = write_layer(cache, 0, k[i], k[i], 0)
         np.testing.assert_array_equal(
-            np.asarray(out.k_pages.data[i], np.float32), np.asarray(one.k_pages.data, np.float32)
+            np.asarray(out.k_pages[0].data[i], np.float32),
+            np.asarray(one.k_pages[0].data, np.float32),
         )
-        np.testing.assert_array_equal(out.k_pages.scale[i], one.k_pages.scale)
+        np.testing.assert_array_equal(out.k_pages[0].scale[i], one.k_pages[0].scale)
 
 
 def test_float_cache_is_unchanged_by_default():
     a = init_paged_cache(1, 2, 4, 2, 8, batch=1, max_pages_per_seq=2)
     b = init_paged_cache(1, 2, 4, 2, 8, batch=1, max_pages_per_seq=2, kv_format=None)
-    assert a.kv_format is None and isinstance(a.k_pages, jax.Array)
+    assert a.kv_format is None and isinstance(a.k_pages[0], jax.Array)
     assert jax.tree.structure(a) == jax.tree.structure(b) and a.k_pages.dtype == jnp.float32
 
 
