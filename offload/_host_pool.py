@@ -29,6 +29,22 @@ import numpy as np
 from jaxtyping import Array, Shaped
 
 from offload._checks import check_int
+from offload._pool_checks import (
+    _check_arrays,
+    _check_quantized,
+)
+from offload._pool_checks import (
+    first as first,
+)
+from offload._pool_checks import (
+    main_leaf as main_leaf,
+)
+from offload._pool_checks import (
+    page_shards as page_shards,
+)
+from offload._pool_checks import (
+    stat_shape as stat_shape,
+)
 from offload._tiers import HOST_MEMORY_KINDS, PINNED_HOST, host_memory_kind
 from paged import LayerPools, QuantizedPages
 
@@ -46,8 +62,8 @@ class HostPagePool(NamedTuple):
         scales and zero-points ``[L, K, P_host, C]`` where the keys have ``[L, K, P_host, H]``).
     """
 
-    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages
-    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools
 
     @property
     def num_slots(self) -> int:
@@ -64,12 +80,6 @@ class HostPagePool(NamedTuple):
     def page_shards(self) -> int:
         """``D``: devices the slot axis is split over (1 unless sharded along the page axis)."""
         return page_shards(self.k_pages)
-
-
-def first(pool):
-    """Layer 0 of per-layer pools (``paged.LayerPools``), else the pool: what carries the
-    kind (float or quantized), format and sharding."""
-    return pool.layers[0] if isinstance(pool, LayerPools) else pool
 
 
 def page_axis(pool) -> int:
@@ -113,19 +123,6 @@ def without_residual(pool):
     return pool
 
 
-def stat_shape(kv_format, grouping: str, data_shape) -> tuple[int, ...]:
-    """The shape of the ``scale`` (and kivi2 ``zero``) leaf of a pool with ``data_shape``:
-    kivi2 keys (``grouping == "channel"``) ``[*lead, H]``, else ``format.scale_shape``."""
-    return kv_format.scale_shape(kv_format.float_shape(tuple(data_shape)), grouping)
-
-
-def main_leaf(pool) -> jax.Array:
-    """The array that carries a pool's shape and sharding (``data`` of a quantized pool; layer
-    0's of per-layer pools)."""
-    pool = first(pool)
-    return pool.data if isinstance(pool, QuantizedPages) else pool
-
-
 def describe_pool(x) -> str:
     """``"float pool float32 (2, 4, 8, 16)"`` or ``"quantized int8 pool (...)"`` for messages."""
     if isinstance(x, LayerPools) and x.layers:
@@ -135,125 +132,6 @@ def describe_pool(x) -> str:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"float pool {x.dtype} {tuple(x.shape)}"
     return type(x).__name__
-
-
-def page_shards(x, axis: int | None = None) -> int:
-    """How many blocks the page axis (``ndim - 3``) of a pool is split into by its sharding.
-
-    A quantized pool answers for its ``data``; ``axis`` overrides the page axis of a leaf.
-    """
-    x = main_leaf(x)
-    axis = x.ndim - 3 if axis is None else axis
-    return x.shape[axis] // x.sharding.shard_shape(x.shape)[axis]
-
-
-def _check_arrays(fn: str, name: str, k, v, ranks: tuple[int, int], what: str) -> None:
-    for part, x in (("k", k), ("v", v)):
-        if not isinstance(x, jax.Array):
-            raise ValueError(
-                f"{fn}: {name}: expected {part}{what} to be a jax.Array, got {type(x).__name__}"
-            )
-        if x.ndim not in ranks:
-            if ranks == (3, 4):
-                layouts = "3 or 4 [*L, K, P, C]"
-            elif what == ".scale":  # int4's group scales
-                layouts = "4 or 5 [*L, K, P, C, H / group_size]"
-            else:
-                layouts = "4 [K, P, C, H] or 5 [L, K, P, C, H]"
-            raise ValueError(
-                f"{fn}: {name}: expected {part}{what} of rank {layouts}, got shape {x.shape}"
-            )
-    if k.shape != v.shape or k.dtype != v.dtype:
-        raise ValueError(
-            f"{fn}: {name}: expected k{what} and v{what} of one shape and dtype, got {k.shape} "
-            f"{k.dtype} and {v.shape} {v.dtype}"
-        )
-    if not k.sharding.is_equivalent_to(v.sharding, k.ndim):
-        raise ValueError(
-            f"{fn}: {name}: expected k{what} and v{what} with one sharding, got {k.sharding} and "
-            f"{v.sharding}"
-        )
-
-
-def _check_beside(fn: str, name: str, what: str, leaf, data, axes: int) -> None:
-    """``leaf`` (scales, zero-points) is sharded like ``data`` over its first ``axes`` axes."""
-    axis = data.ndim - 3
-    if (
-        leaf.sharding.memory_kind != data.sharding.memory_kind
-        or page_shards(leaf, axis) != page_shards(data, axis)
-        or leaf.sharding.shard_shape(leaf.shape)[:axes]
-        != data.sharding.shard_shape(data.shape)[:axes]
-    ):
-        raise ValueError(
-            f"{fn}: {name}: expected {what} sharded like the data over "
-            f"{'[*L, K, P, C]' if axes == data.ndim - 1 else '[*L, K, P]'} (same memory kind, "
-            f"same page split), got {leaf.sharding} and {data.sharding}"
-        )
-
-
-def _check_kivi2(fn: str, name: str, k, v) -> None:
-    """kivi2: data, scales and zero-points of each of ``k`` and ``v`` against its grouping."""
-    fmt = k.format
-    for part, x in (("k", k), ("v", v)):
-        if x.grouping not in ("channel", "token"):
-            raise ValueError(
-                f"{fn}: {name}: expected {part} grouped 'channel' (keys) or 'token' (values), "
-                f"got {x.grouping!r}"
-            )
-        if x.data.dtype != fmt.storage_dtype:
-            raise ValueError(
-                f"{fn}: {name}: expected {part}.data in {fmt.storage_dtype} for format 'kivi2', "
-                f"got {x.data.dtype}"
-            )
-        want = stat_shape(fmt, x.grouping, x.data.shape)
-        per = "[*L, K, P, H] (per channel)" if x.grouping == "channel" else "[*L, K, P, C]"
-        for leaf_name in ("scale", "zero"):
-            leaf = getattr(x, leaf_name)
-            if not isinstance(leaf, jax.Array):
-                raise ValueError(
-                    f"{fn}: {name}: expected {part}.{leaf_name} to be a jax.Array (kivi2 "
-                    f"{leaf_name}s {per}), got {type(leaf).__name__}"
-                )
-            if leaf.shape != want or leaf.dtype != fmt.scale_dtype:
-                raise ValueError(
-                    f"{fn}: {name}: expected {part}.{leaf_name} {fmt.scale_dtype} {want} (kivi2 "
-                    f"{per} of its data), got {leaf.shape} {leaf.dtype}"
-                )
-            _check_beside(fn, name, f"{part}.{leaf_name}", leaf, x.data, x.data.ndim - 2)
-
-
-def _check_quantized(fn: str, name: str, k, v) -> None:
-    if k.format != v.format:
-        raise ValueError(
-            f"{fn}: {name}: expected k and v in one format, got {k.format.kind!r} and "
-            f"{v.format.kind!r}"
-        )
-    _check_arrays(fn, name, k.data, v.data, (4, 5), ".data")
-    if k.format.kind == "kivi2":
-        _check_kivi2(fn, name, k, v)
-        return
-    for part, x in (("k", k), ("v", v)):
-        if x.zero is not None or x.residual is not None:
-            raise ValueError(
-                f"{fn}: {name}: expected {part} without zero-points or residual pages (only "
-                f"kivi2 has them), format {x.format.kind!r}"
-            )
-    fmt = k.format
-    grouped = len(fmt.scale_shape((1, 1))) == 2  # int4: scales [*L, K, P, C, H / g]
-    _check_arrays(fn, name, k.scale, v.scale, (4, 5) if grouped else (3, 4), ".scale")
-    data, scale = k.data, k.scale
-    if data.dtype != fmt.storage_dtype or scale.dtype != fmt.scale_dtype:
-        raise ValueError(
-            f"{fn}: {name}: expected data in {fmt.storage_dtype} and {fmt.scale_dtype} scales "
-            f"for format {fmt.kind!r}, got {data.dtype} and {scale.dtype}"
-        )
-    want = fmt.scale_shape(fmt.float_shape(data.shape))
-    if scale.shape != want:
-        raise ValueError(
-            f"{fn}: {name}: expected scales shaped {want} (data's [*L, K, P, C] "
-            f"{'and H / group_size' if grouped else 'without H'}), got {scale.shape}"
-        )
-    _check_beside(fn, name, "scales", scale, data, data.ndim - 1)
 
 
 def check_pool(fn: str, name: str, k, v) -> None:
@@ -432,8 +310,8 @@ def zeros_pools(like_k, like_v, num_slots: int, memory_kind: str):
 
 
 def make_host_page_pool(
-    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
-    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
     num_slots: int | np.integer,
 ) -> HostPagePool:
     """Allocates a zeroed host pool with ``num_slots`` page slots mirroring a device pool.

@@ -24,7 +24,7 @@ from offload._manager_disk import DiskTier
 from offload._stats import OffloadStats, page_nbytes
 from offload._tiers import TransferHandle, ready, wait
 from offload._transfers import page_in, page_out, prefetch_layer
-from paged import QuantizedPages
+from paged import LayerPools, QuantizedPages
 
 __all__ = ["OffloadManager"]
 
@@ -97,8 +97,8 @@ class OffloadManager(DiskTier):
 
     def record_device_pages(
         self,
-        k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
-        v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+        k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
+        v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
         num_pages: int | np.integer,
     ) -> int:
         """Sets the device tier of ``stats`` to ``num_pages`` pages of this device pool.
@@ -197,8 +197,8 @@ class OffloadManager(DiskTier):
     # -- device <-> host -----------------------------------------------------------------------
     def page_out(
         self,
-        k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
-        v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+        k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
+        v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
         page_ids: IdList,
         *,
         request_id: str,
@@ -235,8 +235,8 @@ class OffloadManager(DiskTier):
 
     def page_in(
         self,
-        k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
-        v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+        k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
+        v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
         page_ids: IdList,
         *,
         request_id: str,

@@ -11,14 +11,14 @@ from jaxtyping import Array, Int, Shaped
 
 from offload._checks import check_int, check_table
 from offload._host_pool import check_device, device_kind, main_leaf, zeros_pools
-from paged import QuantizedPages
+from paged import LayerPools, QuantizedPages
 
 __all__ = ["make_staging_pool", "staging_table"]
 
 
 def make_staging_pool(
-    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
-    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
     num_pages: int | np.integer,
     *,
     bucket: int | np.integer = 1,

@@ -25,7 +25,7 @@ from jaxtyping import Array, Shaped
 
 from offload._checks import check_choice, check_float, check_int
 from offload._host_pool import check_pool, leaves
-from paged import QuantizedPages
+from paged import LayerPools, QuantizedPages
 
 __all__ = [
     "OffloadSnapshot",
@@ -72,8 +72,8 @@ def measure_bytes(tree) -> dict[str, int]:
 
 
 def page_nbytes(
-    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
-    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
 ) -> int:
     """Bytes of one page of a pool, keys and values over all layers, measured from its arrays.
 

@@ -82,8 +82,8 @@ def _check_pairs(fn: str, src, dst, dst_name: str, source, target) -> None:
 
 
 def page_out(
-    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
-    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
     page_ids: IdList,
     host_pool: HostPagePool,
     host_slots: IdList,
@@ -141,8 +141,8 @@ def page_out(
 def page_in(
     host_pool: HostPagePool,
     host_slots: IdList,
-    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
-    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages,
+    k_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
+    v_pages: Shaped[Array, "*L K P C H"] | QuantizedPages | LayerPools,
     page_ids: IdList,
     *,
     request_id: str | None = None,

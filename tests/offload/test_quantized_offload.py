@@ -87,7 +87,7 @@ def _qpools(name, kind="int8", axis_type=AxisType.Auto, seed=0):
     fmt = FORMATS[kind]
     if kind == "kivi2":
         cache = _kivi_cache(seed)
-        k, v = (cache.k_pages, cache.v_pages) if stacked else (cache.k_pages[0], cache.v_pages[0])
+        k, v = (cache.k_pages.stacked(), cache.v_pages.stacked()) if stacked else (cache.k_pages[0], cache.v_pages[0])  # fmt: skip
         assert k.grouping == "channel" and v.grouping == "token" and k.residual is not None
     else:
         k, v = (paged.quantize_pages(jnp.asarray(rng.standard_normal(shape)), fmt) for _ in "kv")

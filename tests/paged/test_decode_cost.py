@@ -161,5 +161,5 @@ def test_layer_argument_errors():
         paged.paged_attention(*args)
     with pytest.raises(ValueError, match=r"0 <= layer < 4"):
         paged.paged_attention(*args, layer=4)
-    with pytest.raises(ValueError, match="both paged.LayerPools"):
+    with pytest.raises(ValueError, match=r"both paged\.LayerPools"):
         paged.paged_attention(q, cache.k_pages, cache.v_pages[0], cache.page_table, cache.lengths, layer=0)  # fmt: skip
