@@ -409,7 +409,7 @@ def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind
     fmt = paged.KVFormat(kind)
     model = tiny_model(6)
     server = generate.Server(model, num_pages=64, page_size=4, max_len=64, batch=2, chunk=8, kv_format=fmt)  # fmt: skip
-    assert isinstance(server.cache.k_pages, paged.QuantizedPages)
+    assert isinstance(server.cache.k_pages[0], paged.QuantizedPages)
     batch = data.make_batch(data.TaskConfig("passkey", length=40), 2, seed=3)
     prompts = [list(batch.tokens[0][:30]), list(batch.tokens[1][:23])]
 
@@ -429,7 +429,7 @@ def test_generation_from_quantized_pages_equals_dense_over_the_quantized_kv(kind
     if demote:
         info = server.last_info
         assert info.kept_pages.sum() <= 0.3 * info.prompt_pages.sum()
-        assert isinstance(server.offload.host_pool.k_pages, paged.QuantizedPages)
+        assert isinstance(server.offload.host_pool.k_pages[0], paged.QuantizedPages)
     for p, g in zip(prompts, got, strict=True):
         np.testing.assert_array_equal(g, generate.generate_dense(model, p, 6, attend))
 

@@ -90,7 +90,7 @@ def bounds_oracle(cache, lengths=None):
     lengths = np.asarray(cache.lengths if lengths is None else lengths)
     lo = np.full((L, K, P, H), np.inf)
     hi = np.full((L, K, P, H), -np.inf)
-    kivi = isinstance(cache.k_pages, paged.QuantizedPages) and cache.k_pages.format.kind == "kivi2"
+    kivi = cache.kv_format is not None and cache.kv_format.kind == "kivi2"
     stored = np.asarray(cache.k_pages.dequantize(), np.float64) if kivi else None
     for layer in range(L):
         read = read_keys(cache, layer)
