@@ -30,20 +30,11 @@ from jaxtyping import Array, Shaped
 
 from offload._checks import check_int
 from offload._pool_checks import (
-    _check_arrays,
-    _check_quantized,
-)
-from offload._pool_checks import (
-    first as first,
-)
-from offload._pool_checks import (
-    main_leaf as main_leaf,
-)
-from offload._pool_checks import (
-    page_shards as page_shards,
-)
-from offload._pool_checks import (
-    stat_shape as stat_shape,
+    check_leaf_pair,
+    check_quantized_pair,
+    first,
+    main_leaf,
+    page_shards,
 )
 from offload._tiers import HOST_MEMORY_KINDS, PINNED_HOST, host_memory_kind
 from paged import LayerPools, QuantizedPages
@@ -168,11 +159,11 @@ def check_pool(fn: str, name: str, k, v) -> None:
             f"got {describe_pool(k)} and {describe_pool(v)}"
         )
     if quantized[0]:
-        _check_quantized(fn, name, k, v)
+        check_quantized_pair(fn, name, k, v)
         if 0 in k.data.shape:
             raise ValueError(f"{fn}: {name}: expected no zero-sized axis, got shape {k.shape}")
         return
-    _check_arrays(fn, name, k, v, (4, 5), "")
+    check_leaf_pair(fn, name, k, v, (4, 5), "")
     if 0 in k.shape:
         raise ValueError(f"{fn}: {name}: expected no zero-sized axis, got shape {k.shape}")
 

@@ -15,12 +15,9 @@ from jaxtyping import Array, Shaped
 
 from offload._checks import IdList, check_ids, check_int
 from offload._disk import DiskStore
-from offload._host_pool import (
-    HostPagePool,
-    check_host,
-    page_shards,
-)
+from offload._host_pool import HostPagePool, check_host
 from offload._manager_disk import DiskTier
+from offload._pool_checks import page_shards
 from offload._stats import OffloadStats, page_nbytes
 from offload._tiers import TransferHandle, ready, wait
 from offload._transfers import page_in, page_out, prefetch_layer

@@ -14,17 +14,10 @@ import jax
 import numpy as np
 
 from offload._disk import CorruptCacheError, DiskStore
-from offload._host_pool import (
-    HostPagePool,
-    leaves,
-    page_axis,
-    page_shards,
-    rebuild,
-    stat_shape,
-    zeros_pools,
-)
+from offload._host_pool import HostPagePool, leaves, page_axis, rebuild, zeros_pools
 from offload._page_copy import copy_pages
 from offload._page_numpy import gather_pages, scatter_pages
+from offload._pool_checks import page_shards, stat_shape
 from offload._tiers import PINNED_HOST
 from paged import KVFormat, LayerPools, QuantizedPages
 

@@ -40,15 +40,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from offload._host_pool import (
-    as_named,
-    device_kind,
-    leaves,
-    page_axis,
-    page_shards,
-    rebuild,
-    replicated,
-)
+from offload._host_pool import as_named, device_kind, leaves, page_axis, rebuild, replicated
+from offload._pool_checks import page_shards
 from offload._tiers import PINNED_HOST
 
 __all__ = ["bucket", "check_same_shards", "copy_pages"]

@@ -6,7 +6,14 @@ import jax
 
 from paged import LayerPools, QuantizedPages
 
-__all__ = ["first", "main_leaf", "page_shards", "stat_shape"]
+__all__ = [
+    "check_leaf_pair",
+    "check_quantized_pair",
+    "first",
+    "main_leaf",
+    "page_shards",
+    "stat_shape",
+]
 
 
 def first(pool):
@@ -38,7 +45,7 @@ def page_shards(x, axis: int | None = None) -> int:
     return x.shape[axis] // x.sharding.shard_shape(x.shape)[axis]
 
 
-def _check_arrays(fn: str, name: str, k, v, ranks: tuple[int, int], what: str) -> None:
+def check_leaf_pair(fn: str, name: str, k, v, ranks: tuple[int, int], what: str) -> None:
     for part, x in (("k", k), ("v", v)):
         if not isinstance(x, jax.Array):
             raise ValueError(
@@ -113,13 +120,13 @@ def _check_kivi2(fn: str, name: str, k, v) -> None:
             _check_beside(fn, name, f"{part}.{leaf_name}", leaf, x.data, x.data.ndim - 2)
 
 
-def _check_quantized(fn: str, name: str, k, v) -> None:
+def check_quantized_pair(fn: str, name: str, k, v) -> None:
     if k.format != v.format:
         raise ValueError(
             f"{fn}: {name}: expected k and v in one format, got {k.format.kind!r} and "
             f"{v.format.kind!r}"
         )
-    _check_arrays(fn, name, k.data, v.data, (4, 5), ".data")
+    check_leaf_pair(fn, name, k.data, v.data, (4, 5), ".data")
     if k.format.kind == "kivi2":
         _check_kivi2(fn, name, k, v)
         return
@@ -131,7 +138,7 @@ def _check_quantized(fn: str, name: str, k, v) -> None:
             )
     fmt = k.format
     grouped = len(fmt.scale_shape((1, 1))) == 2  # int4: scales [*L, K, P, C, H / g]
-    _check_arrays(fn, name, k.scale, v.scale, (4, 5) if grouped else (3, 4), ".scale")
+    check_leaf_pair(fn, name, k.scale, v.scale, (4, 5) if grouped else (3, 4), ".scale")
     data, scale = k.data, k.scale
     if data.dtype != fmt.storage_dtype or scale.dtype != fmt.scale_dtype:
         raise ValueError(

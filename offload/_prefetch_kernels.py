@@ -15,15 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from offload._host_pool import (
-    as_named,
-    device_kind,
-    leaves,
-    page_shards,
-    rebuild,
-    replicated,
-)
+from offload._host_pool import as_named, device_kind, leaves, rebuild, replicated
 from offload._page_copy import _async_marker, _named_shard
+from offload._pool_checks import page_shards
 from offload._tiers import PINNED_HOST
 
 __all__ = ["prefetch_fn"]

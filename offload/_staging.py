@@ -10,7 +10,8 @@ import numpy as np
 from jaxtyping import Array, Int, Shaped
 
 from offload._checks import check_int, check_table
-from offload._host_pool import check_device, device_kind, main_leaf, zeros_pools
+from offload._host_pool import check_device, device_kind, zeros_pools
+from offload._pool_checks import main_leaf
 from paged import LayerPools, QuantizedPages
 
 __all__ = ["make_staging_pool", "staging_table"]

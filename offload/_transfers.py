@@ -59,12 +59,11 @@ from offload._host_pool import (
     check_host,
     check_match,
     describe_pool,
-    first,
     leaves,
-    page_shards,
     rebuild,
 )
 from offload._page_copy import check_same_shards, copy_pages
+from offload._pool_checks import first, page_shards
 from offload._prefetch_kernels import prefetch_fn, prefetch_pool_per_shard
 from offload._tiers import TransferHandle
 from paged import LayerPools, QuantizedPages
@@ -256,8 +255,9 @@ def prefetch_layer(
     slots = check_ids(fn, "host_slots", host_slots, host_pool.num_slots)
     if slots.size == 0:
         raise ValueError(f"{fn}: host_slots: expected at least one slot, got none")
+    per_layer = isinstance(host_pool.k_pages, LayerPools)  # the layers' own host buffers
     shards = page_shards(host_pool.k_pages)
-    if shards > 1 and isinstance(host_pool.k_pages, LayerPools):
+    if shards > 1 and per_layer:
         raise NotImplementedError(
             f"{fn}: host_pool: a per-layer host pool (paged.LayerPools) split along the page "
             "axis is not supported by prefetch_layer yet; fetch its pages with page_in, or "
@@ -286,7 +286,7 @@ def prefetch_layer(
             (k, v), "host_to_device", nbytes, request_id=request_id, done=tuple(mk + mv)
         )
     pool = host_pool.k_pages
-    lead = 0 if isinstance(pool, LayerPools) else 1  # a layer's leaves: [K, P, ...]
+    lead = 0 if per_layer else 1  # where K sits in a host leaf: [K, P, ...] or [L, K, P, ...]
     if into is not None:
         want = (pool.shape[1], slots.size, *pool.shape[-2:])
         quantized = isinstance(first(pool), QuantizedPages)
@@ -309,7 +309,7 @@ def prefetch_layer(
             )
 
         pair = (host_pool.k_pages, host_pool.v_pages)
-        if lead == 0:
+        if per_layer:
             pair = tuple(x.layers[layer] for x in pair)
         if (
             not isinstance(into, tuple)
@@ -323,12 +323,10 @@ def prefetch_layer(
             )
     contiguous = bool(np.all(np.diff(slots) == 1))
     out, markers = [], []
-    per_layer = isinstance(host_pool.k_pages, LayerPools)
+    at = 0 if per_layer else layer  # the index into each host leaf's layer axis
     for part, source in enumerate((host_pool.k_pages, host_pool.v_pages)):
-        if per_layer:  # the layer's own host buffers
-            source, at = source.layers[layer], 0
-        else:
-            at = layer
+        if per_layer:
+            source = source.layers[layer]
         targets = leaves(into[part]) if into is not None else [None] * len(leaves(source))
         arrays = []
         for leaf, target in zip(leaves(source), targets, strict=True):

@@ -159,12 +159,13 @@ def init_paged_cache(
         floating = False
     if not floating:
         raise ValueError(f"{fn}: dtype: expected a float dtype, got {dtype!r}")
+    # ``pool(grouping)``: one layer's zero pool; ``grouping`` matters to kivi2 alone (keys per
+    # channel, values per token).
     if kv_format is None:
 
-        def pool(_=None):
+        def pool(grouping):
             return jnp.zeros((K, P, C, H), dtype)
 
-        roles = (None, None)
     elif isinstance(kv_format, KVFormat) and kv_format.kind == "kivi2":
         if H % 4:
             raise ValueError(f"{fn}: head_dim: kivi2 packs 4 codes a byte: H % 4 == 0, got {H}")
@@ -181,25 +182,23 @@ def init_paged_cache(
                 grouping=grouping,
             )
 
-        roles = ("channel", "token")
     elif isinstance(kv_format, KVFormat):
         kv_format.check_head_dim(fn, "head_dim", H)
         shape = (K, P, C, H)
 
-        def pool(_=None):
+        def pool(grouping):
             return QuantizedPages(
                 jnp.zeros(kv_format.data_shape(shape), kv_format.storage_dtype),
                 jnp.zeros(kv_format.scale_shape(shape), kv_format.scale_dtype),
                 kv_format,
             )
 
-        roles = (None, None)
     else:
         raise ValueError(f"{fn}: kv_format: expected None or a paged.KVFormat, got {kv_format!r}")
     # One buffer per layer (never one array sliced L ways), keys and values apart.
     return PagedKVCache(
-        k_pages=LayerPools(pool(roles[0]) for _ in range(L)),
-        v_pages=LayerPools(pool(roles[1]) for _ in range(L)),
+        k_pages=LayerPools(pool("channel") for _ in range(L)),
+        v_pages=LayerPools(pool("token") for _ in range(L)),
         page_table=jnp.zeros((B, M), jnp.int32),
         lengths=jnp.zeros((B,), jnp.int32),
     )

@@ -134,7 +134,7 @@ def write_layer(
     start = _start_positions(fn, start, B)
     count = _count(fn, count, B, T)
     _check_targets(fn, cache, start, count)
-    if isinstance(layer, (int, np.integer)):
+    if is_int(layer):
         return _write_static_layer(cache, int(layer), k, v, start, count)
     return _write_layer_impl(cache, jnp.asarray(layer, jnp.int32), k, v, start, count)
 

@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LayerPools", "as_layer_pools", "layer_count", "unit_stack"]
+from paged._checks import is_int, layer_index
+
+__all__ = ["LayerPools", "as_layer_pools", "on_layer", "read_layer", "unit_stack"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -92,9 +94,9 @@ class LayerPools:
         return self.layers[0].sharding
 
     def __getitem__(self, index) -> Any:
-        if _is_static_int(index):
+        if is_int(index):
             return self.layers[_layer(index, len(self.layers))]
-        if isinstance(index, tuple) and index and _is_static_int(index[0]):
+        if isinstance(index, tuple) and index and is_int(index[0]):
             layer = self.layers[_layer(index[0], len(self.layers))]
             return layer[index[1:]] if len(index) > 1 else layer
         return self.stacked()[index]
@@ -133,25 +135,25 @@ class LayerPools:
 
 
 class _StackedAt:
+    """``pools.at[index]``: an update of the stacked pool, split back into layers."""
+
     def __init__(self, pools: "LayerPools"):
         self._pools = pools
 
     def __getitem__(self, index):
-        at = self._pools.stacked().at[index]
-
-        class _Op:
-            def __getattr__(self, op):
-                def run(*args, **kwargs):
-                    out = getattr(at, op)(*args, **kwargs)
-                    return out if op == "get" else as_layer_pools(out)
-
-                return run
-
-        return _Op()
+        return _StackedUpdate(self._pools.stacked().at[index])
 
 
-def _is_static_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+class _StackedUpdate:
+    def __init__(self, at):
+        self._at = at
+
+    def get(self, **kwargs):
+        return self._at.get(**kwargs)
+
+    def __getattr__(self, op):  # set, add, multiply, min, max, ...
+        update = getattr(self._at, op)
+        return lambda *args, **kwargs: as_layer_pools(update(*args, **kwargs))
 
 
 def _layer(index, L: int) -> int:
@@ -169,11 +171,6 @@ def as_layer_pools(pool) -> LayerPools:
     return LayerPools(pool[i] for i in range(pool.shape[0]))
 
 
-def layer_count(pool) -> int:
-    """``L`` of a :class:`LayerPools` or a stacked pool."""
-    return len(pool) if isinstance(pool, LayerPools) else pool.shape[0]
-
-
 def unit_stack(pool):
     """A per-layer pool with a leading layer axis of 1 (a free reshape under ``jit``), for the
     stacked kernels; ``x[0]`` of their result takes it off again."""
@@ -181,11 +178,8 @@ def unit_stack(pool):
 
 
 def read_layer(fn: str, k_pages, v_pages, layer, call):
-    """``call(k, v)`` on layer ``layer`` of per-layer pools, read in place.
-
-    A static ``layer`` passes that layer's buffers; a traced integer scalar (clamped into
-    ``[0, L)``) picks the layer with ``lax.switch``, each branch reading its own buffers (no
-    stacking, no copy).
+    """``call(k, v)`` on layer ``layer`` of per-layer pools, read in place (see
+    :func:`on_layer`).
 
     Raises:
       ValueError: if only one of ``k_pages`` / ``v_pages`` is a :class:`LayerPools`, their
@@ -205,26 +199,15 @@ def read_layer(fn: str, k_pages, v_pages, layer, call):
             f"in [0, {L}) or a traced integer scalar); or pass one layer's pools, "
             f"cache.k_pages[layer]"
         )
-    if _is_static_int(layer):
-        if not 0 <= layer < L:
-            raise ValueError(f"{fn}: layer: expected 0 <= layer < {L} (the pools' L), got {layer}")
-        return call(k_pages[int(layer)], v_pages[int(layer)])
-    if not (
-        hasattr(layer, "dtype")
-        and jnp.issubdtype(layer.dtype, jnp.integer)
-        and jnp.ndim(layer) == 0
-    ):
-        raise ValueError(f"{fn}: layer: expected an int or an integer scalar array, got {layer!r}")
-    index = jnp.clip(jnp.asarray(layer, jnp.int32), 0, L - 1)
-    branches = [functools.partial(call, k, v) for k, v in zip(k_pages, v_pages, strict=True)]
-    return jax.lax.switch(index, branches)
+    layer = layer_index(fn, layer, L, traced_ok=True)
+    return on_layer(L, layer, lambda i: call(k_pages[i], v_pages[i]))
 
 
-def on_layer(pools, layer, fn):
-    """``fn(pools[layer])``: for a static int the layer's buffer; for a traced integer scalar
-    (clamped into ``[0, L)``) ``lax.switch`` over the layers, each branch reading its own
-    buffer. ``pools``: a :class:`LayerPools` (or a stacked pool, sliced)."""
-    if _is_static_int(layer) or not isinstance(pools, LayerPools):
-        return fn(pools[layer])
-    index = jnp.clip(jnp.asarray(layer, jnp.int32), 0, len(pools) - 1)
-    return jax.lax.switch(index, [functools.partial(fn, p) for p in pools])
+def on_layer(num_layers: int, layer, fn):
+    """``fn(i)`` for layer ``i = layer``: called once with a static int; for a traced integer
+    scalar (clamped into ``[0, L)``), ``lax.switch`` over ``fn(0) ... fn(L - 1)``, each branch
+    reading its own layer's buffers (no stacking, no copy)."""
+    if is_int(layer):
+        return fn(int(layer))
+    index = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
+    return jax.lax.switch(index, [functools.partial(fn, i) for i in range(num_layers)])

@@ -276,7 +276,8 @@ def _refresh_impl(bounds, cache, start, layer, lengths, T: int):
     def rows(pool):  # [K, P, C, H] (kivi2: with its window rows), read in place
         return _row_bounds(pool, ids, slots, lengths, _filled(pool), C)  # [K, B, n, H]
 
-    lo, hi = on_layer(cache.k_pages, at, rows)
+    pools = as_layer_pools(cache.k_pages)
+    lo, hi = on_layer(len(pools), at, lambda i: rows(pools[i]))
     target = jnp.where(page_ok & (layer >= 0) & (layer < L), ids, P)  # P: dropped
     k_min = bounds.k_min.at[at, :, target].set(lo.transpose(1, 2, 0, 3), mode="drop")
     k_max = bounds.k_max.at[at, :, target].set(hi.transpose(1, 2, 0, 3), mode="drop")

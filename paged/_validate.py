@@ -117,17 +117,21 @@ def validate(cache: PagedKVCache) -> None:
         pools = getattr(cache, name)
         if isinstance(pools, LayerPools):
             _check_layers(name, pools)
-    # Checked on the host as one stack (a copy of the pools: validate is for debugging).
-    cache = cache._replace(k_pages=_stacked(cache.k_pages), v_pages=_stacked(cache.v_pages))
-    quantized = is_quantized(cache.k_pages), is_quantized(cache.v_pages)
+    first_k, first_v = cache.k_pages[0], cache.v_pages[0]  # a layer's pool (or a stack's)
+    quantized = is_quantized(first_k), is_quantized(first_v)
     if any(quantized):
-        if not all(quantized) or cache.k_pages.format != cache.v_pages.format:
+        if not all(quantized) or first_k.format != first_v.format:
             raise ValueError(
-                f"validate: v_pages: expected the kind of k_pages ({pool_kind(cache.k_pages)!r}),"
-                f" got {pool_kind(cache.v_pages)!r}"
+                f"validate: v_pages: expected the kind of k_pages ({pool_kind(first_k)!r}),"
+                f" got {pool_kind(first_v)!r}"
             )
-        check_quantized("validate", "k_pages", cache.k_pages, 5)
-        check_quantized("validate", "v_pages", cache.v_pages, 5)
+        for name in ("k_pages", "v_pages"):
+            pools = getattr(cache, name)
+            if isinstance(pools, LayerPools):  # each layer's leaves, where they are
+                for layer in pools:
+                    check_quantized("validate", name, layer, 4)
+            else:
+                check_quantized("validate", name, pools, 5)
     if cache.k_pages.ndim != 5 or cache.k_pages.shape != cache.v_pages.shape:
         raise ValueError(
             f"validate: v_pages: expected k_pages and v_pages to both be [L, K, P, C, H] "
@@ -146,10 +150,6 @@ def validate(cache: PagedKVCache) -> None:
     )
     if any(quantized):
         _check_finite_tokens(cache)
-
-
-def _stacked(pools):
-    return pools.stacked() if isinstance(pools, LayerPools) else pools
 
 
 def _check_layers(name: str, pools: LayerPools) -> None:
@@ -173,7 +173,10 @@ def _check_layers(name: str, pools: LayerPools) -> None:
 
 
 def _check_finite_tokens(cache: PagedKVCache) -> None:
-    """Every readable slot of a quantized cache has a finite scale (NaN / inf written)."""
+    """Every readable slot of a quantized cache has a finite scale (NaN / inf written).
+
+    Reads the scales, zero-points and residual windows on the host (``LayerPools`` stacks
+    those leaves), never the stored data."""
     table = np.asarray(cache.page_table)
     lengths = np.asarray(cache.lengths)
     C = cache.k_pages.shape[3]

@@ -150,10 +150,14 @@ def _prefill_chunk(graphdef, state, cache, tokens, prev_tokens, start, n, per_qu
     return cache, sum(masses)
 
 
-_prefill_chunk_jit = jax.jit(_prefill_chunk, static_argnums=(0, 7))
+# The cache (and the decode's free-page stack) are donated: each layer's pool is written in
+# place, so a chunk or a decode loop costs the tokens it touches, not a copy of the pools.
+_prefill_chunk_jit = jax.jit(_prefill_chunk, static_argnums=(0, 7), donate_argnums=2)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), static_argnames=("retrieve",))
+@functools.partial(
+    jax.jit, static_argnums=(0, 6), static_argnames=("retrieve",), donate_argnums=(2, 3)
+)
 def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold=None,
             bounds=None, retrieve=None):  # fmt: skip
     """``steps`` greedy tokens for every ``active [B]`` row (the others are empty rows: no
@@ -496,7 +500,9 @@ class Server:
         decode writes into (holding the prompt's last token) always stays. Pages made by the
         decode are all kept. With ``retention.mode == "retrieve"`` no page leaves the device
         and no window is observed: every decode step reads, per layer, the pages its query
-        selects. :attr:`last_info` says what happened.
+        selects. :attr:`last_info` says what happened. The server's cache is donated to the
+        jitted prefill chunks and decode loop (each layer's pool written in place) and
+        replaced by their result.
         """
         if not 1 <= len(prompts) <= self.batch:
             raise ValueError(f"generate: prompts: expected 1..{self.batch}, got {len(prompts)}")

@@ -739,3 +739,35 @@ def test_retrieve_from_host_with_rows_sharing_cached_pages():
     layer_shape = (TINY.num_layers, TINY.num_kv_heads, 1, 4, TINY.head_dim)
     page = offload.page_nbytes(jnp.zeros(layer_shape), jnp.zeros(layer_shape))
     assert info.tier_bytes["host"] == (10 + 9 - 7) * page
+
+
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_server_decode_and_prefill_hold_no_copy_of_a_pool(kind):
+    """The example server's jitted prefill chunk and decode loop take the cache donated and
+    write each layer's pool in place: their compiled temporaries (the model's activations) do
+    not grow from 64 to 4,096 pages and stay below one layer's pool there."""
+    import paged
+    from examples.longctx_lm import generate
+
+    fmt = None if kind is None else paged.KVFormat(kind)
+    temps = []
+    for pages in (64, 4096):
+        server = generate.Server(tiny_model(6), num_pages=pages, page_size=4, max_len=64, batch=2, chunk=8, kv_format=fmt)  # fmt: skip
+        cache = server.cache
+        stack = paged.make_free_stack(np.arange(1, 9, dtype=np.int32), capacity=pages)
+        token = prev = jnp.zeros(2, jnp.int32)
+        decode = generate._decode.lower(
+            server.graphdef, server.state, cache, stack, token, prev, 4, jnp.ones(2, bool)
+        )
+        tokens = jnp.zeros((2, 8), jnp.int32)
+        zeros = jnp.zeros(2, jnp.int32)
+        prefill = generate._prefill_chunk_jit.lower(
+            server.graphdef, server.state, cache, tokens, tokens, zeros, zeros + 8, False
+        )
+        temps.append(
+            [p.compile().memory_analysis().temp_size_in_bytes for p in (decode, prefill)]
+            + [cache.k_pages[0].nbytes]
+        )
+    (*small, _), (*large, layer_bytes) = temps
+    for a, b in zip(small, large, strict=True):
+        assert b < layer_bytes and b <= a + 16 * 1024, temps

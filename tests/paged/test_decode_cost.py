@@ -159,7 +159,7 @@ def test_layer_argument_errors():
     args = (q, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths)
     with pytest.raises(ValueError, match="need layer="):
         paged.paged_attention(*args)
-    with pytest.raises(ValueError, match=r"0 <= layer < 4"):
+    with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 4\)"):
         paged.paged_attention(*args, layer=4)
     with pytest.raises(ValueError, match=r"both paged\.LayerPools"):
         paged.paged_attention(q, cache.k_pages, cache.v_pages[0], cache.page_table, cache.lengths, layer=0)  # fmt: skip
