@@ -53,7 +53,7 @@ def _step_stacked(state, q, kv):
         v_all = v_all.at[layer, :, page, pos % C].set(kv[0][None])
         out = paged.paged_attention(q, k_all[layer], v_all[layer], table, lengths + 1).out
         q = q + 1e-3 * out
-    return (k_all, v_all, table, lengths), q
+    return (k_all, v_all, table, lengths + 1), q
 
 
 def _cache(pages: int, tokens: int):
@@ -68,6 +68,35 @@ def _cache(pages: int, tokens: int):
     cache = paged.init_paged_cache(L, K, pages, C, H, 1, M)
     table = np.arange(pages - M, pages, dtype=np.int32)[None]  # the pool's last pages
     return paged.with_page_table(cache, table, np.asarray([tokens], np.int32)), jnp.asarray(table)
+
+
+def _stacked_state(cache, table):
+    import jax.numpy as jnp
+
+    P = cache.k_pages.shape[2]
+    return (jnp.zeros((L, K, P, C, H)), jnp.zeros((L, K, P, C, H)), table, cache.lengths)
+
+
+def check_layouts_agree(pages: int = 80, tokens: int = 64, steps: int = 2) -> float:
+    """Runs ``steps`` decode steps with both layouts from the same empty cache and returns
+    the largest difference of their outputs; raises if they differ (before any timing)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    cache, table = _cache(pages, tokens)
+    state = _stacked_state(cache, table)
+    q = jnp.full((1, 1, N, H), 0.1, jnp.float32)
+    kv = jnp.asarray(np.random.default_rng(0).standard_normal((1, K, H)), jnp.float32)
+    qa = qb = q
+    per_layer, stacked = jax.jit(_step_per_layer), jax.jit(_step_stacked)
+    for _ in range(steps):
+        cache, qa = per_layer(cache, qa, kv)
+        state, qb = stacked(state, qb, kv)
+    diff = float(jnp.max(jnp.abs(qa - qb)))
+    if not diff <= 1e-6:
+        raise AssertionError(f"bench_decode_scaling: the layouts disagree by {diff}")
+    return diff
 
 
 def _time_steps(cases: dict, repeats: int):
@@ -103,6 +132,7 @@ def main(argv=None):
     run = _common.start_run("bench_decode_scaling", args, cpu_devices=1)
     import jax.numpy as jnp
 
+    check_layouts_agree()  # both layouts compute the same step before anything is timed
     repeats = args.repeats or (3 if args.quick else 10)
     pools = [80, 320, 2560] if args.quick else [80, 320, 1280, 2560, 10240]
     stacked_up_to = 320 if args.quick else 2560
@@ -116,12 +146,7 @@ def main(argv=None):
         cases[("layers", P)] = (_step_per_layer, cache, q, kv)
         temps[("layers", P)] = _temp_bytes(_step_per_layer, cache, q, kv)
         if P <= stacked_up_to:
-            stacked = (
-                jnp.zeros((L, K, P, C, H)),
-                jnp.zeros((L, K, P, C, H)),
-                table,
-                cache.lengths,
-            )
+            stacked = _stacked_state(cache, table)
             cases[("stacked", P)] = (_step_stacked, stacked, q, kv)
             temps[("stacked", P)] = _temp_bytes(_step_stacked, stacked, q, kv)
     timing = _time_steps(cases, repeats)
@@ -163,16 +188,14 @@ def main(argv=None):
     lengths = [256, 1024, 4096] if args.quick else [256, 1024, 4096, 16384]
     cases = {}
     for tokens in lengths:
-        P_needed = max(P, -(-(tokens + 64) // C) + 1)
-        cache, _ = _cache(P_needed, tokens)
+        cache, _ = _cache(P, tokens)
         cases[tokens] = (_step_per_layer, cache, q, kv)
     timing = _time_steps(cases, repeats)
     lines += [
         "",
         "## Step time against sequence length",
         "",
-        f"Pool of {P} pages (more where the sequence needs them: 16,384 tokens use "
-        f"{-(-(16384 + 64) // C) + 1}); per-layer pools.",
+        f"Pool of {P} pages; per-layer pools. KV read = keys and values of every layer.",
         "",
         "| tokens | step | vs 256 tokens | KV read per step MiB |",
         "|---:|---:|---:|---:|",

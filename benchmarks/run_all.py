@@ -30,6 +30,7 @@ SCRIPTS = (
     "bench_ring_quant",
     "bench_train",
     "bench_decode",
+    "bench_decode_scaling",
     "bench_kvquant",
     "bench_million",  # --quick: 131,072 tokens, about 20 s
     "bench_gaps",  # last: the issue-12 gap table and the scaling per doubling, its own sizes

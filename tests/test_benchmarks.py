@@ -27,6 +27,7 @@ from benchmarks import (
     _paper_ring,
     bench_blockwise,
     bench_decode,
+    bench_decode_scaling,
     bench_gaps,
     bench_host_copy,
     bench_kvquant,
@@ -483,3 +484,9 @@ def test_bench_blockwise_block_matmuls_are_the_products_of_unnormalised_attentio
     np.testing.assert_allclose(forward(q, k, v), want, rtol=1e-5, atol=1e-4)
     for got, grad in zip(backward(q, k, v, do), vjp(do), strict=True):
         np.testing.assert_allclose(got, grad, rtol=1e-5, atol=1e-4)
+
+
+def test_bench_decode_scaling_layouts_compute_the_same_steps():
+    """The per-layer cache and the stacked (0.2) baseline it is timed against give the same
+    decode outputs over two steps (the check the benchmark runs before timing)."""
+    assert bench_decode_scaling.check_layouts_agree(pages=80, tokens=40) <= 1e-6

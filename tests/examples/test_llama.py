@@ -706,8 +706,10 @@ def test_press_drop_on_kivi2_pages_masks_exactly_the_removed_pages(pressed, resi
 
     # NaN scales in the removed stored pages change nothing; in a kept page they do.
     def scrub(pages):
-        k = pre.cache.k_pages
-        k = dataclasses.replace(k, scale=k.scale.at[:, :, pages].set(jnp.nan))
+        k = paged.LayerPools(  # every layer's pool, its pages' scales poisoned
+            dataclasses.replace(x, scale=x.scale.at[:, pages].set(jnp.nan))
+            for x in pre.cache.k_pages
+        )
         return pre._replace(cache=pre.cache._replace(k_pages=k))
 
     np.testing.assert_array_equal(press.answer(model, scrub([1, 2, 4, 5]), keep, question, 4, bucket=8).tokens, got.tokens)  # fmt: skip
