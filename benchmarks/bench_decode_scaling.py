@@ -7,7 +7,8 @@ over ``cache.k_pages[layer]``, ``paged.advance``; the cache donated to the step.
 are a fixed function of the step (no model), so the time is the cache's: the KV written and
 read.
 
-Two sweeps, each timed interleaved in one run (ratios are same-run):
+Two sweeps, each timed interleaved in one run (ratios are same-run; each layout's steps are
+interleaved with each other, the two layouts one after the other):
 
 1. **Pool size** at a fixed sequence (1,024 tokens): 80 to 10,240 pages. A step reads the
    same tokens whatever the pool holds, so its time should stay flat (goal: at most 1.25x from
@@ -74,7 +75,9 @@ def _stacked_state(cache, table):
     import jax.numpy as jnp
 
     P = cache.k_pages.shape[2]
-    return (jnp.zeros((L, K, P, C, H)), jnp.zeros((L, K, P, C, H)), table, cache.lengths)
+    # Buffers of its own (the steps donate their state): never the cache's lengths.
+    lengths = jnp.array(cache.lengths, copy=True)
+    return (jnp.zeros((L, K, P, C, H)), jnp.zeros((L, K, P, C, H)), table, lengths)
 
 
 def check_layouts_agree(pages: int = 80, tokens: int = 64, steps: int = 2) -> float:
@@ -149,7 +152,12 @@ def main(argv=None):
             stacked = _stacked_state(cache, table)
             cases[("stacked", P)] = (_step_stacked, stacked, q, kv)
             temps[("stacked", P)] = _temp_bytes(_step_stacked, stacked, q, kv)
-    timing = _time_steps(cases, repeats)
+    # Each layout timed interleaved with itself: a stacked step (seconds, gigabytes copied)
+    # between two per-layer steps would evict their caches and slow them unevenly.
+    timing = {}
+    for layout in ("layers", "stacked"):
+        mine = {key: case for key, case in cases.items() if key[0] == layout}
+        timing.update(_time_steps(mine, repeats))
     base = {layout: timing[(layout, pools[0])].best for layout in ("layers", "stacked")}
     lines = [
         "## Step time against pool size",
