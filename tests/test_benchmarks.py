@@ -490,3 +490,38 @@ def test_bench_decode_scaling_layouts_compute_the_same_steps():
     """The per-layer cache and the stacked (0.2) baseline it is timed against give the same
     decode outputs over two steps (the check the benchmark runs before timing)."""
     assert bench_decode_scaling.check_layouts_agree(pages=80, tokens=40) <= 1e-6
+
+
+@pytest.mark.slow  # ~30 s: the real model's decode loops compile at tiny sizes
+def test_bench_llama_quick_runs_without_torch_and_ends_with_its_json(tmp_path):
+    """Without torch (made unimportable), ``bench_llama`` still runs every jax column, leaves
+    the transformers columns empty and prints one JSON object as its last line (tiny shapes
+    stand in for the quick ones)."""
+    out = tmp_path / "llama.md"
+    script = (
+        "import importlib.abc, sys\n"
+        "class NoTorch(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'transformers'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "from benchmarks import bench_llama as b\n"
+        "b.QUICK_PREFILL, b.QUICK_DECODE, b.STEPS = (64,), ((1, 64), (2, 48)), 2\n"
+        f"b.main(['--quick', '--out', {str(out)!r}])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch is not installed" in done.stdout
+    import json
+
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["torch"] is None
+    assert set(summary["decode_over_bound"]) == {"1x64", "2x48"}
+    for key in ("max_decode_over_bound", "max_decode_over_copy_bound"):
+        assert 0 < summary[key] < 1e4 and math.isfinite(summary[key]), key
+    assert summary["max_decode_over_bound"] == max(summary["decode_over_bound"].values())
+    for key in ("max_decode_over_torch", "max_int8_over_torch", "max_prefill_over_torch"):
+        assert summary[key] is None, key
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 2 x 48 ")]
+    assert len(rows) == 1 and rows[0].count("| - |") >= 2, rows  # torch's columns left empty
