@@ -525,3 +525,23 @@ def test_bench_llama_quick_runs_without_torch_and_ends_with_its_json(tmp_path):
         assert summary[key] is None, key
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 2 x 48 ")]
     assert len(rows) == 1 and rows[0].count("| - |") >= 2, rows  # torch's columns left empty
+
+
+def test_bench_kernel_ab_measures_and_toggles_the_barrier():
+    """The per-commit measurement's keys and ratios, and the barrier A/B, at a tiny size (the
+    worktrees and processes of ``main`` are left to the benchmark itself)."""
+    from benchmarks import bench_kernel_ab
+
+    got = bench_kernel_ab.child(256, 1)
+    # The ratios come from unrounded times, the times are rounded to 0.1 ms.
+    ratio = got["fwd_causal"] / got["fwd_full"]
+    assert got["causal_over_full"] == pytest.approx(
+        ratio, abs=0.1 / got["fwd_full"] * (1 + ratio) + 1e-3
+    )
+    bwd = (got["fb_full"] - got["fwd_full"]) / got["fwd_full"]
+    assert got["bwd_over_fwd"] == pytest.approx(bwd, abs=0.2 / got["fwd_full"] * (2 + bwd) + 1e-3)
+    ab = bench_kernel_ab.barrier_ab(256, 1)  # raises if the identity left a barrier behind
+    assert set(ab) == {"full", "causal"} and all(t > 0 for pair in ab.values() for t in pair)
+    import jax
+
+    assert jax.lax.optimization_barrier.__module__.startswith("jax")  # restored
