@@ -73,16 +73,20 @@ def _embed(graphdef, state, cache, stack, token, prev, active):
     return cache, stack, ok, model.embed_inputs(token[:, None], prev[:, None])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2, 3))
 def _project(graphdef, state, cache, bounds, x, layer: int):
     """Layer ``layer``'s query, with the step's K/V written and the written page's bounds
-    refreshed (that page is always read: its new bound only matters from the next step)."""
+    refreshed (that page is always read: its new bound only matters from the next step).
+    The cache and bounds are donated: the layer's pools are written in place (an undonated
+    cache made XLA copy the layer's pools on every call). The caller reads the layer's pools
+    as ``cache.k_pages[layer]`` (its buffer): returned beside the cache they would be a second
+    output of the same buffer, which XLA copies."""
     block = nnx.merge(graphdef, state).blocks[layer]
     positions = cache.lengths[:, None]
     q, k, v = block.attn.project(block.attn_norm(x), positions)
     cache = paged.write_layer(cache, layer, k, v, positions[:, 0])
     bounds = paged.refresh_key_bounds(bounds, cache, cache.lengths, 1, layer=layer, lengths=cache.lengths + 1)  # fmt: skip
-    return q, cache, bounds, cache.k_pages[layer], cache.v_pages[layer], bounds.layer(layer)
+    return q, cache, bounds
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -136,9 +140,10 @@ def decode(graphdef, state, cache: paged.PagedKVCache, stack, token, prev, steps
         cache, stack, ok, x = _embed(graphdef, state, cache, stack, token, prev, active)
         lengths = cache.lengths + 1  # the step's token is written at position lengths
         for layer in range(num_layers):
-            q, cache, bounds, k_layer, v_layer, b_layer = _project(graphdef, state, cache, bounds, x, layer)  # fmt: skip
+            q, cache, bounds = _project(graphdef, state, cache, bounds, x, layer)
             res = offload.retrieval.retrieval_decode_attention(
-                q, k_layer, v_layer, b_layer, cache.page_table, host.pool,
+                q, cache.k_pages[layer], cache.v_pages[layer], bounds.layer(layer),
+                cache.page_table, host.pool,
                 host_bounds[layer], host_table, lengths, layer=layer, budget=budget,
                 sink_pages=sink, recent_pages=recent, stats=stats,
             )  # fmt: skip
