@@ -222,7 +222,9 @@ def start_run(
     argv: Sequence[str] | None = None,
     stem: str | None = None,
 ) -> Run:
-    """Sets up devices (unless ``cpu_devices`` is ``None``: no JAX), records the start.
+    """Sets up devices (unless ``cpu_devices`` is ``None``: no JAX) and JAX's persistent
+    compilation cache (``offload.enable_compilation_cache``; ``JAX_LONGCTX_NO_COMPILATION_CACHE=1``
+    turns it off), records the start.
 
     Args:
         module: the script's module name in ``benchmarks`` (``"bench_ring"``).
@@ -234,6 +236,9 @@ def start_run(
     """
     if cpu_devices is not None:
         setup_devices(cpu_devices)
+        import offload
+
+        offload.enable_compilation_cache()  # timings exclude compiles; reruns start sooner
     stem = stem or module.removeprefix("bench_")
     out = args.out or (QUICK_DIR if args.quick else RESULTS_DIR) / f"{stem}.md"
     return Run(

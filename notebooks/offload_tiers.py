@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -39,6 +39,12 @@ import jax
 
 # 8 emulated CPU devices: this must run before JAX creates any array.
 jax.config.update("jax_num_cpu_devices", 8)
+
+from offload import enable_compilation_cache
+
+# Compiled programs are kept on disk (offload.default_compilation_cache_dir()), so a rerun
+# starts sooner; JAX_LONGCTX_NO_COMPILATION_CACHE=1 turns that off.
+enable_compilation_cache()
 
 import itertools
 import json

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -83,6 +83,7 @@ import offload
 from examples.llama import press, ruler
 from examples.llama.generate import generate, load_model
 
+offload.enable_compilation_cache()  # compiled programs kept on disk: a rerun starts sooner
 SMALL = os.environ.get("NOTEBOOK_SCALE", "") == "small"
 RESULTS = os.environ.get("NOTEBOOK_RESULTS")
 print("devices:", len(jax.devices()), jax.devices()[0].platform, "| jax", jax.__version__)

@@ -36,9 +36,17 @@ pinned host), :mod:`offload.planning` (``plan`` and its cost model) and
 imports them; their former top-level names (``offload.plan``, ``offload.to_prometheus``,
 ``offload.retrieval_decode_attention``, ...) raise an ``AttributeError`` that names the new
 location.
+
+:func:`enable_compilation_cache` turns on JAX's persistent compilation cache in the user's
+cache directory (the examples' command lines, the notebooks and the benchmarks call it).
 """
 
 from offload._attention_mass import mass_kept_from_lse, token_attention_mass
+from offload._compile_cache import (
+    OPT_OUT_VARIABLE,
+    default_compilation_cache_dir,
+    enable_compilation_cache,
+)
 from offload._disk import CorruptCacheError, DiskStore
 from offload._host_pool import HostPagePool, make_host_page_pool
 from offload._manager import OffloadManager
@@ -105,6 +113,10 @@ __all__: list[str] = [
     "to_device",
     "to_host",
     "wait",
+    # set-up
+    "OPT_OUT_VARIABLE",
+    "default_compilation_cache_dir",
+    "enable_compilation_cache",
 ]
 
 _PLANNING = (

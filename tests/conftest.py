@@ -16,11 +16,17 @@ program's fusions or memory sees a close relative of a user's program; every tes
 with and without it (docs/development.md says how to run one as a user's). The default run
 took 19m28s with ``-O0`` alone, 11m47s with both, on 2 cores. Subprocesses and notebook
 kernels the tests start inherit the flags. Benchmarks compile with the defaults.
+
+The persistent compilation cache that the examples' command lines, the notebooks and the
+benchmarks turn on (``offload.enable_compilation_cache``) stays off in tests
+(``JAX_LONGCTX_NO_COMPILATION_CACHE=1``, inherited by their subprocesses and kernels), so a
+test never reads a program another run wrote; the cache's own tests lift it explicitly.
 """
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_LONGCTX_NO_COMPILATION_CACHE"] = "1"
 for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()

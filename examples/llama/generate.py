@@ -21,6 +21,13 @@ step and layer. With ``--host`` the prompt's pages but the first and the last wa
 host memory (``Retention(..., host=True)``): each step fetches only the pages its query
 selects, and the JSON adds ``moved_bytes`` (the copy to host and every fetch) and
 ``host_bytes``.
+
+The compiled programs are kept in JAX's persistent compilation cache
+(:func:`offload.enable_compilation_cache`: ``~/.cache/jax-longctx/jax`` unless
+``$JAX_COMPILATION_CACHE_DIR`` or ``$XDG_CACHE_HOME`` say otherwise), so a second run of the
+same shapes loads them instead of compiling; ``--no-compilation-cache`` turns every
+persistent cache off (``JAX_LONGCTX_NO_COMPILATION_CACHE=1`` only leaves it to JAX's own
+settings).
 """
 
 import argparse
@@ -29,6 +36,7 @@ import pathlib
 import time
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 import offload
@@ -88,6 +96,9 @@ def main(argv=None) -> dict:
                         help="query-aware decode: each step reads this fraction of the pages")  # fmt: skip
     parser.add_argument("--host", action="store_true",
                         help="with --retrieve: the prompt's pages wait in pinned host memory")  # fmt: skip
+    parser.add_argument("--no-compilation-cache", action="store_true",
+                        help="compile everything again (default: JAX's persistent cache in "
+                        "offload.default_compilation_cache_dir())")  # fmt: skip
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens: expected >= 1")
@@ -95,6 +106,10 @@ def main(argv=None) -> dict:
         parser.error(f"--retrieve: expected a fraction of the pages in (0, 1], got {args.retrieve}")
     if args.host and args.retrieve is None:
         parser.error("--host: expected with --retrieve F (the host tier is read query-aware)")
+    if args.no_compilation_cache:  # also a cache JAX_COMPILATION_CACHE_DIR would open
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
+        offload.enable_compilation_cache()
     retention = None
     if args.retrieve is not None:
         policy = offload.RetentionPolicy("streaming", args.retrieve, page_size=args.page_size, sink=1)  # fmt: skip
