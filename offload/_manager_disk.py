@@ -3,7 +3,9 @@
 A request's host pages go to disk as one :class:`~offload.DiskStore` entry keyed by its
 request id (``k``, ``v``; for a quantized host pool also the scales, kivi2's zero-points and
 the format's tag as ASCII bytes; for a pool split along the page axis each page's device
-block), and come back into free host slots after the entry is read and verified.
+block), and come back into free host slots after the entry is read and verified. A per-layer
+host pool (``paged.LayerPools``) writes each array stacked over its layers, so an entry is the
+same whichever layout wrote it and restores into either.
 :class:`DiskTier` is a base class of :class:`offload.OffloadManager`, whose host slots, stats
 and disk store its methods use.
 """
@@ -17,7 +19,7 @@ from offload._disk import CorruptCacheError, DiskStore
 from offload._host_pool import HostPagePool, leaves, page_axis, rebuild, zeros_pools
 from offload._page_copy import copy_pages
 from offload._page_numpy import gather_pages, scatter_pages
-from offload._pool_checks import page_shards, stat_shape
+from offload._pool_checks import first, page_shards, stat_shape
 from offload._tiers import PINNED_HOST
 from paged import KVFormat, LayerPools, QuantizedPages
 
@@ -33,13 +35,31 @@ def _entry_names(pool) -> tuple[str, ...]:
     return _KIVI2_NAMES if pool.zero is not None else _QUANTIZED_NAMES
 
 
-def _refuse_per_layer(fn: str, pool: HostPagePool) -> None:
-    if isinstance(pool.k_pages, LayerPools):
+def _refuse_sharded_per_layer(fn: str, pool: HostPagePool) -> None:
+    if isinstance(pool.k_pages, LayerPools) and page_shards(pool.k_pages) > 1:
         raise NotImplementedError(
-            f"{fn}: the disk tier does not take a per-layer host pool (paged.LayerPools, made "
-            "from a cache's k_pages / v_pages) yet; give the manager stacked pools "
-            "([L, K, P, C, H]) to spill to disk"
+            f"{fn}: the disk tier does not take a per-layer host pool (paged.LayerPools) split "
+            "along its pages over several devices yet; give the manager stacked pools "
+            "([L, K, P, C, H]) to spill a sharded pool to disk"
         )
+
+
+def _entry_arrays(pool) -> list[np.ndarray]:
+    """The disk entry's arrays of one side (keys or values), in ``_entry_names`` order: per-layer
+    pools (``paged.LayerPools``) stack their layers' leaves along a new axis 0, so an entry is
+    the same whichever layout wrote it, and restores into either."""
+    if not isinstance(pool, LayerPools):
+        return [np.asarray(leaf) for leaf in leaves(pool)]
+    per_layer = [leaves(layer) for layer in pool.layers]
+    return [np.stack([np.asarray(ls[i]) for ls in per_layer]) for i in range(len(per_layer[0]))]
+
+
+def _layer_leaves(like, parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Entry arrays of one side (stacked over layers for per-layer ``like``) as ``like``'s
+    leaves (:func:`offload._host_pool.leaves` order: layer by layer)."""
+    if not isinstance(like, LayerPools):
+        return list(parts)
+    return [part[layer] for layer in range(len(like)) for part in parts]
 
 
 def _format_array(kv_format: KVFormat) -> np.ndarray:
@@ -103,13 +123,13 @@ class DiskTier:
             )
         start = time.perf_counter()
         pool = self._host_pool
-        _refuse_per_layer(fn, pool)
-        names = _entry_names(pool.k_pages)
+        _refuse_sharded_per_layer(fn, pool)
+        names = _entry_names(first(pool.k_pages))
         axis = page_axis(pool.k_pages)
         ids = np.asarray(slots, np.int32)
         entry = {}
-        if isinstance(pool.k_pages, QuantizedPages):
-            entry["format"] = _format_array(pool.k_pages.format)
+        if isinstance(first(pool.k_pages), QuantizedPages):
+            entry["format"] = _format_array(first(pool.k_pages).format)
         shards = page_shards(pool.k_pages)
         if shards > 1:  # read shard by shard; remember each page's device block
             flat = leaves(pool.k_pages) + leaves(pool.v_pages)
@@ -122,7 +142,7 @@ class DiskTier:
                 ids,
                 np.arange(len(slots), dtype=np.int32),
             )
-            arrays = [np.asarray(a) for a in leaves(k) + leaves(v)]
+            arrays = _entry_arrays(k) + _entry_arrays(v)
         nbytes = store.put(request_id, {**dict(zip(names, arrays, strict=True)), **entry})
         self.stats.record_transfer(
             "host_to_disk", nbytes, time.perf_counter() - start, request_id=request_id
@@ -152,7 +172,7 @@ class DiskTier:
         store = self._require_disk(fn)
         start = time.perf_counter()
         pool = self._host_pool
-        _refuse_per_layer(fn, pool)
+        _refuse_sharded_per_layer(fn, pool)
         arrays = store.get(request_id)  # verified; raises before anything changes
         parts = self._check_entry(fn, request_id, arrays, pool.k_pages, pool.v_pages)
         k = parts[0]
@@ -183,7 +203,9 @@ class DiskTier:
                 )
             flat = leaves(pool.k_pages) + leaves(pool.v_pages)
             shardings = [leaf.sharding.with_memory_kind(PINNED_HOST) for leaf in flat]
-            staged = jax.device_put(parts, shardings)
+            half = len(parts) // 2
+            split = _layer_leaves(pool.k_pages, parts[:half]) + _layer_leaves(pool.v_pages, parts[half:])  # fmt: skip
+            staged = jax.device_put(split, shardings)
             half = len(staged) // 2
             slots = self._free[:n]
             new_k, new_v, _ = copy_pages(
@@ -210,6 +232,8 @@ class DiskTier:
     def _check_entry(fn: str, request_id: str, arrays: dict, like, like_v) -> list[np.ndarray]:
         """The entry's page arrays in leaf order, checked against host pools ``like`` (keys)
         and ``like_v`` (values)."""
+        layers = (len(like),) if isinstance(like, LayerPools) else ()
+        like, like_v = first(like), first(like_v)  # per-layer: layer 0 stands for every layer
         stored = _format_kind(arrays.get("format"))
         want_kind = like.format.tag if isinstance(like, QuantizedPages) else None
         if stored != want_kind or (want_kind is None and "k_scale" in arrays):
@@ -222,7 +246,8 @@ class DiskTier:
                 f"like the host pool, got {kind(stored)}"
             )
         data = like.data if isinstance(like, QuantizedPages) else like
-        want = (*data.shape[:-3], data.shape[-2:])
+        data_shape = (*layers, *data.shape)  # the entry's: stacked over layers if per-layer
+        want = (*data_shape[:-3], data_shape[-2:])
         parts = []
         stored_data = None  # the data array of the part (k or v) being read
         for name in _entry_names(like):
@@ -240,14 +265,14 @@ class DiskTier:
                     )
             elif (
                 x is None
-                or x.ndim != data.ndim
+                or x.ndim != len(data_shape)
                 or (*x.shape[:-3], x.shape[-2:]) != want
                 or x.dtype != data.dtype
                 or (parts and x.shape != parts[0].shape)
             ):
                 raise ValueError(
                     f"{fn}: request_id: expected disk entry {request_id!r} array {name!r} shaped "
-                    f"like the host pool {data.shape} {data.dtype}, got "
+                    f"like the host pool {data_shape} {data.dtype}, got "
                     f"{None if x is None else (x.shape, x.dtype)}"
                 )
             else:

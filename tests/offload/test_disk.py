@@ -6,12 +6,14 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import paged
 from offload import (
     CorruptCacheError,
     DiskStore,
@@ -433,3 +435,63 @@ def test_store_matches_an_lru_model(ops):
             assert store.keys() == list(model)
             assert store.nbytes == sum(model.values()) <= budget
             assert _files_bytes(directory) == (store.nbytes, sorted(model))
+
+
+@pytest.mark.parametrize("kind", [None, "int8", "kivi2"])
+def test_per_layer_host_pool_spills_and_restores_like_the_stacked_one(tmp_path, kind):
+    """A manager over per-layer pools (a 0.3 cache's ``k_pages`` / ``v_pages``) spills the
+    same disk entry as one over the stacked pools, and either restores the other's entry: the
+    pages come back bit for bit, into free slots, and page back in."""
+    fmt = None if kind is None else paged.KVFormat(kind)
+    L, K, P, C, H = 3, 2, 9, 4, 8
+    cache = paged.init_paged_cache(L, K, P, C, H, batch=1, max_pages_per_seq=P - 1, kv_format=fmt)
+    rng = np.random.default_rng(4)
+    tokens = 6 * C  # pages 1..6 of row 0
+    k_new = jnp.asarray(rng.standard_normal((L, 1, tokens, K, H)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((L, 1, tokens, K, H)), jnp.float32)
+    table = np.arange(1, P, dtype=np.int32)[None]
+    cache = paged.with_page_table(cache, table, np.zeros(1, np.int32))
+    for layer in range(L):
+        cache = paged.write_layer(cache, layer, k_new[layer], v_new[layer], jnp.zeros(1, jnp.int32))
+    per_layer = (cache.k_pages, cache.v_pages)
+    assert isinstance(per_layer[0], paged.LayerPools)
+    stacked = tuple(p.stacked() for p in per_layer)
+    ids = np.array([5, 2, 3], np.int32)
+    managers = {}
+    for name, (k, v) in {"layers": per_layer, "stacked": stacked}.items():
+        manager = OffloadManager(make_host_page_pool(k, v, 4), disk=DiskStore(tmp_path / name))
+        manager.wait(manager.page_out(k, v, ids, request_id="r"))
+        managers[name] = manager
+    written = {name: m.spill("r") for name, m in managers.items()}
+    assert written["layers"] == written["stacked"] > 0
+    entries = {name: m.disk.get("r") for name, m in managers.items()}
+    assert entries["layers"].keys() == entries["stacked"].keys()
+    for key, array in entries["stacked"].items():
+        np.testing.assert_array_equal(_bits(entries["layers"][key]), _bits(array), err_msg=key)
+    # Cross over: each manager restores the entry the other layout wrote.
+    managers["layers"].disk.put("x", entries["stacked"])
+    managers["stacked"].disk.put("x", entries["layers"])
+    for name, manager in managers.items():
+        manager.wait(manager.page_out(*(per_layer if name == "layers" else stacked), [1], request_id="busy"))  # fmt: skip
+        for request in ("r", "x"):
+            tag = 0 if fmt is None else len(fmt.tag)  # the entry's format name, not read back
+            assert manager.restore(request) == written[name] - tag
+            slots = manager.host_slots(request)
+            assert slots.size == 3 and not set(slots) & set(manager.host_slots("busy"))
+            dest = np.array([6, 7, 8], np.int32)
+            zeros = jax.tree.map(jnp.zeros_like, per_layer if name == "layers" else stacked)
+            back_k, back_v = manager.wait(manager.page_in(*zeros, dest, request_id=request))
+            for back, src in ((back_k, per_layer[0]), (back_v, per_layer[1])):
+                got = [back[layer] for layer in range(L)]
+                for layer in range(L):
+                    for a, b in zip(
+                        _page_arrays(got[layer]), _page_arrays(src[layer]), strict=True
+                    ):
+                        np.testing.assert_array_equal(_bits(np.asarray(a)[:, dest]), _bits(np.asarray(b)[:, ids]))  # fmt: skip
+
+
+def _page_arrays(pool) -> list:
+    """A layer pool's page arrays: data, scales and kivi2 zero-points, or the float array."""
+    if isinstance(pool, paged.QuantizedPages):
+        return [pool.data, pool.scale] + ([] if pool.zero is None else [pool.zero])
+    return [pool]
