@@ -223,7 +223,7 @@ def start_run(
     stem: str | None = None,
 ) -> Run:
     """Sets up devices (unless ``cpu_devices`` is ``None``: no JAX) and JAX's persistent
-    compilation cache (``offload.enable_compilation_cache``; ``JAX_LONGCTX_NO_COMPILATION_CACHE=1``
+    compilation cache (``offload.serving.enable_compilation_cache``; ``JAX_LONGCTX_NO_COMPILATION_CACHE=1``
     turns it off), records the start.
 
     Args:
@@ -236,9 +236,9 @@ def start_run(
     """
     if cpu_devices is not None:
         setup_devices(cpu_devices)
-        import offload
+        import offload.serving
 
-        offload.enable_compilation_cache()  # timings exclude compiles; reruns start sooner
+        offload.serving.enable_compilation_cache()  # timings exclude compiles; reruns start sooner
     stem = stem or module.removeprefix("bench_")
     out = args.out or (QUICK_DIR if args.quick else RESULTS_DIR) / f"{stem}.md"
     return Run(

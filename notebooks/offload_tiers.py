@@ -40,9 +40,9 @@ import jax
 # 8 emulated CPU devices: this must run before JAX creates any array.
 jax.config.update("jax_num_cpu_devices", 8)
 
-from offload import enable_compilation_cache
+from offload.serving import enable_compilation_cache
 
-# Compiled programs are kept on disk (offload.default_compilation_cache_dir()), so a rerun
+# Compiled programs are kept on disk (offload.serving.default_compilation_cache_dir()): a rerun
 # starts sooner; JAX_LONGCTX_NO_COMPILATION_CACHE=1 turns that off.
 enable_compilation_cache()
 

@@ -80,10 +80,11 @@ import matplotlib.pyplot as plt
 from tqdm.auto import tqdm
 
 import offload
+import offload.serving
 from examples.llama import press, ruler
 from examples.llama.generate import generate, load_model
 
-offload.enable_compilation_cache()  # compiled programs kept on disk: a rerun starts sooner
+offload.serving.enable_compilation_cache()  # compiled programs kept on disk: a rerun starts sooner
 SMALL = os.environ.get("NOTEBOOK_SCALE", "") == "small"
 RESULTS = os.environ.get("NOTEBOOK_RESULTS")
 print("devices:", len(jax.devices()), jax.devices()[0].platform, "| jax", jax.__version__)

@@ -29,24 +29,21 @@ orchestration, not jittable); the policies, attention-mass helpers and
 :func:`mixed_residency_attention` are pure and jittable with their options bound
 (``jax.jit(functools.partial(select_keep, policy=policy))``).
 
-Three public subpackages build on this core and are imported only when asked for
+Four public subpackages build on this core and are imported only when asked for
 (``import offload`` imports none): :mod:`offload.retrieval` (query-aware retrieval from
-pinned host), :mod:`offload.planning` (``plan`` and its cost model) and
-:mod:`offload.monitoring` (metrics, alerts, Prometheus text, prompt hygiene). The core never
+pinned host), :mod:`offload.planning` (``plan`` and its cost model),
+:mod:`offload.monitoring` (metrics, alerts, Prometheus text, prompt hygiene) and
+:mod:`offload.serving` (set-up for serving). The core never
 imports them; their former top-level names (``offload.plan``, ``offload.to_prometheus``,
 ``offload.retrieval_decode_attention``, ...) raise an ``AttributeError`` that names the new
 location.
 
-:func:`enable_compilation_cache` turns on JAX's persistent compilation cache in the user's
-cache directory (the examples' command lines, the notebooks and the benchmarks call it).
+:mod:`offload.serving` holds ``enable_compilation_cache``: JAX's persistent compilation
+cache in the user's cache directory (the examples' command lines, the notebooks and the
+benchmarks call it).
 """
 
 from offload._attention_mass import mass_kept_from_lse, token_attention_mass
-from offload._compile_cache import (
-    OPT_OUT_VARIABLE,
-    default_compilation_cache_dir,
-    enable_compilation_cache,
-)
 from offload._disk import CorruptCacheError, DiskStore
 from offload._host_pool import HostPagePool, make_host_page_pool
 from offload._manager import OffloadManager
@@ -113,10 +110,6 @@ __all__: list[str] = [
     "to_device",
     "to_host",
     "wait",
-    # set-up
-    "OPT_OUT_VARIABLE",
-    "default_compilation_cache_dir",
-    "enable_compilation_cache",
 ]
 
 _PLANNING = (
@@ -182,7 +175,7 @@ def __getattr__(name: str):
             f"offload.{name} moved to offload.{sub}.{name}: "
             f"use `from offload.{sub} import {name}` (see the migration table in CHANGELOG.md)"
         )
-    if name in ("planning", "monitoring", "retrieval"):
+    if name in ("planning", "monitoring", "retrieval", "serving"):
         raise AttributeError(
             f"offload.{name} is a subpackage that `import offload` does not import: "
             f"use `import offload.{name}` or `from offload.{name} import ...`"

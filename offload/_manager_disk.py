@@ -35,23 +35,15 @@ def _entry_names(pool) -> tuple[str, ...]:
     return _KIVI2_NAMES if pool.zero is not None else _QUANTIZED_NAMES
 
 
-def _refuse_sharded_per_layer(fn: str, pool: HostPagePool) -> None:
-    if isinstance(pool.k_pages, LayerPools) and page_shards(pool.k_pages) > 1:
-        raise NotImplementedError(
-            f"{fn}: the disk tier does not take a per-layer host pool (paged.LayerPools) split "
-            "along its pages over several devices yet; give the manager stacked pools "
-            "([L, K, P, C, H]) to spill a sharded pool to disk"
-        )
-
-
-def _entry_arrays(pool) -> list[np.ndarray]:
-    """The disk entry's arrays of one side (keys or values), in ``_entry_names`` order: per-layer
-    pools (``paged.LayerPools``) stack their layers' leaves along a new axis 0, so an entry is
-    the same whichever layout wrote it, and restores into either."""
-    if not isinstance(pool, LayerPools):
-        return [np.asarray(leaf) for leaf in leaves(pool)]
-    per_layer = [leaves(layer) for layer in pool.layers]
-    return [np.stack([np.asarray(ls[i]) for ls in per_layer]) for i in range(len(per_layer[0]))]
+def _stack_layers(like, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """Numpy leaves of one side (keys or values) in ``like``'s leaf order as the disk entry's
+    arrays (``_entry_names`` order): per-layer pools (``paged.LayerPools``, leaves layer by
+    layer) stack their layers' leaves along a new axis 0, so an entry is the same whichever
+    layout wrote it, and restores into either."""
+    if not isinstance(like, LayerPools):
+        return list(arrays)
+    n = len(arrays) // len(like)
+    return [np.stack(arrays[i::n]) for i in range(n)]
 
 
 def _layer_leaves(like, parts: list[np.ndarray]) -> list[np.ndarray]:
@@ -123,7 +115,6 @@ class DiskTier:
             )
         start = time.perf_counter()
         pool = self._host_pool
-        _refuse_sharded_per_layer(fn, pool)
         names = _entry_names(first(pool.k_pages))
         axis = page_axis(pool.k_pages)
         ids = np.asarray(slots, np.int32)
@@ -132,8 +123,11 @@ class DiskTier:
             entry["format"] = _format_array(first(pool.k_pages).format)
         shards = page_shards(pool.k_pages)
         if shards > 1:  # read shard by shard; remember each page's device block
-            flat = leaves(pool.k_pages) + leaves(pool.v_pages)
-            arrays = [gather_pages(leaf, ids, axis) for leaf in flat]
+            arrays = [
+                array
+                for side in (pool.k_pages, pool.v_pages)
+                for array in _stack_layers(side, [gather_pages(x, ids, axis) for x in leaves(side)])
+            ]
             entry["block"] = (ids // (pool.num_slots // shards)).astype(np.int32)
         else:
             k, v, _ = copy_pages(
@@ -142,7 +136,11 @@ class DiskTier:
                 ids,
                 np.arange(len(slots), dtype=np.int32),
             )
-            arrays = _entry_arrays(k) + _entry_arrays(v)
+            arrays = [
+                array
+                for side in (k, v)
+                for array in _stack_layers(side, [np.asarray(x) for x in leaves(side)])
+            ]
         nbytes = store.put(request_id, {**dict(zip(names, arrays, strict=True)), **entry})
         self.stats.record_transfer(
             "host_to_disk", nbytes, time.perf_counter() - start, request_id=request_id
@@ -172,7 +170,6 @@ class DiskTier:
         store = self._require_disk(fn)
         start = time.perf_counter()
         pool = self._host_pool
-        _refuse_sharded_per_layer(fn, pool)
         arrays = store.get(request_id)  # verified; raises before anything changes
         parts = self._check_entry(fn, request_id, arrays, pool.k_pages, pool.v_pages)
         k = parts[0]
@@ -192,8 +189,10 @@ class DiskTier:
             slots = self._take_slots(
                 fn, block.astype(np.int64) * per_slot, pool.num_slots, "request_id"
             )
+            half = len(parts) // 2
+            split = _layer_leaves(pool.k_pages, parts[:half]) + _layer_leaves(pool.v_pages, parts[half:])  # fmt: skip
             new_k, new_v = scatter_pages(
-                (pool.k_pages, pool.v_pages), parts, np.asarray(slots, np.int32)
+                (pool.k_pages, pool.v_pages), split, np.asarray(slots, np.int32)
             )
         else:
             if n > len(self._free):

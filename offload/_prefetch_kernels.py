@@ -19,6 +19,7 @@ from offload._host_pool import as_named, device_kind, leaves, rebuild, replicate
 from offload._page_copy import _async_marker, _named_shard
 from offload._pool_checks import page_shards
 from offload._tiers import PINNED_HOST
+from paged import LayerPools
 
 __all__ = ["prefetch_fn"]
 
@@ -90,37 +91,47 @@ def prefetch_fn(
 
 
 def prefetch_pool_per_shard(pool, layer: int, slots: np.ndarray):
-    """:func:`prefetch_per_shard` of a float or quantized pool (leaf by leaf, same slots)."""
+    """:func:`prefetch_per_shard` of a float or quantized pool (leaf by leaf, same slots); of
+    per-layer pools (``paged.LayerPools``), layer ``layer``'s own buffers."""
+    per_layer = isinstance(pool, LayerPools)
+    if per_layer:
+        pool = pool.layers[layer]
     out, markers = [], []
     for leaf in leaves(pool):
-        pages, done = prefetch_per_shard(leaf, layer, slots)
+        pages, done = prefetch_per_shard(leaf, layer, slots, per_layer=per_layer)
         out.append(pages)
         markers += done
     return rebuild(pool, out), markers
 
 
-def prefetch_per_shard(pool: jax.Array, layer: int, slots: np.ndarray):
+def prefetch_per_shard(pool: jax.Array, layer: int, slots: np.ndarray, *, per_layer: bool = False):
     """One layer of a pool split along the page axis, fetched device by device.
 
     ``slots`` holds ``n / D`` slots of device block 0, then ``n / D`` of block 1, ...; each
     device copies its own slots and the result ``[K, n, C, H]`` is split along ``n`` like the
-    pool is along its pages (the layout ``paged.sharded_paged_attention`` reads).
+    pool is along its pages (the layout ``paged.sharded_paged_attention`` reads). With
+    ``per_layer``, ``pool`` is that layer's own buffer ``[K, P, ...]`` (``layer`` unused).
 
     Returns:
       ``(pages, markers)``.
     """
-    shards = page_shards(pool, 2)  # [L, K, P, ...]: data or scales
-    per_slot, per_out = pool.shape[2] // shards, slots.size // shards
-    target = layer_sharding(pool.sharding, pool.ndim)
+    axis = 1 if per_layer else 2  # the page axis: [K, P, ...] or [L, K, P, ...]
+    shards = page_shards(pool, axis)
+    per_slot, per_out = pool.shape[axis] // shards, slots.size // shards
+    if per_layer:
+        target = pool.sharding.with_memory_kind(device_kind(pool.sharding))
+    else:
+        target = layer_sharding(pool.sharding, pool.ndim)
     arrays, markers = [], []
     for shard in pool.addressable_shards:
-        lo = shard.index[2].start or 0
+        lo = shard.index[axis].start or 0
         block = lo // per_slot
         local = (slots[block * per_out : (block + 1) * per_out] - lo).astype(np.int32)
         contiguous = bool(np.all(np.diff(local) == 1))
-        fetch = prefetch_fn(as_named(shard.data.sharding), contiguous, False, pool.ndim)
-        pages, marker = fetch(_named_shard(shard), np.int32(layer), local)
+        fetch = prefetch_fn(as_named(shard.data.sharding), contiguous, False, pool.ndim, per_layer)
+        pages, marker = fetch(_named_shard(shard), np.int32(0 if per_layer else layer), local)
         arrays.append(pages)
         markers.append(marker)
-    shape = (pool.shape[1], slots.size, *pool.shape[3:])
+    rest = pool.shape[axis + 1 :]
+    shape = (pool.shape[axis - 1], slots.size, *rest)
     return jax.make_array_from_single_device_arrays(shape, target, arrays), markers

@@ -257,12 +257,6 @@ def prefetch_layer(
         raise ValueError(f"{fn}: host_slots: expected at least one slot, got none")
     per_layer = isinstance(host_pool.k_pages, LayerPools)  # the layers' own host buffers
     shards = page_shards(host_pool.k_pages)
-    if shards > 1 and per_layer:
-        raise NotImplementedError(
-            f"{fn}: host_pool: a per-layer host pool (paged.LayerPools) split along the page "
-            "axis is not supported by prefetch_layer yet; fetch its pages with page_in, or "
-            "build the host pool from one layer's pools"
-        )
     if shards > 1:
         if into is not None:
             raise NotImplementedError(

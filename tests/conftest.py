@@ -18,7 +18,7 @@ took 19m28s with ``-O0`` alone, 11m47s with both, on 2 cores. Subprocesses and n
 kernels the tests start inherit the flags. Benchmarks compile with the defaults.
 
 The persistent compilation cache that the examples' command lines, the notebooks and the
-benchmarks turn on (``offload.enable_compilation_cache``) stays off in tests
+benchmarks turn on (``offload.serving.enable_compilation_cache``) stays off in tests
 (``JAX_LONGCTX_NO_COMPILATION_CACHE=1``, inherited by their subprocesses and kernels), so a
 test never reads a program another run wrote; the cache's own tests lift it explicitly.
 """

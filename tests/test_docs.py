@@ -22,6 +22,7 @@ API_PAGES = {
     "offload.planning": "planning.md",
     "offload.monitoring": "monitoring.md",
     "offload.retrieval": "retrieval.md",
+    "offload.serving": "serving.md",
 }
 CONCEPTS = (
     "semantics",

@@ -159,11 +159,11 @@ def test_no_module_over_450_lines_except_the_listed_debt():
 
 def test_offload_subpackages_are_public_and_not_imported_by_the_core():
     subpackages = sorted(p.parent for p in (ROOT / "offload").glob("*/__init__.py"))
-    assert [p.name for p in subpackages] == ["monitoring", "planning", "retrieval"]
+    assert [p.name for p in subpackages] == ["monitoring", "planning", "retrieval", "serving"]
     code = (
         "import sys\n"
         "import offload\n"
-        "loaded = [m for m in ('offload.planning', 'offload.monitoring', 'offload.retrieval') if m in sys.modules]\n"
+        "loaded = [m for m in ('offload.planning', 'offload.monitoring', 'offload.retrieval', 'offload.serving') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
         "assert not hasattr(offload, 'plan') and not hasattr(offload, 'to_prometheus')\n"
         "import offload.planning, offload.monitoring, offload.retrieval\n"

@@ -23,7 +23,7 @@ selects, and the JSON adds ``moved_bytes`` (the copy to host and every fetch) an
 ``host_bytes``.
 
 The compiled programs are kept in JAX's persistent compilation cache
-(:func:`offload.enable_compilation_cache`: ``~/.cache/jax-longctx/jax`` unless
+(:func:`offload.serving.enable_compilation_cache`: ``~/.cache/jax-longctx/jax`` unless
 ``$JAX_COMPILATION_CACHE_DIR`` or ``$XDG_CACHE_HOME`` say otherwise), so a second run of the
 same shapes loads them instead of compiling; ``--no-compilation-cache`` turns every
 persistent cache off (``JAX_LONGCTX_NO_COMPILATION_CACHE=1`` only leaves it to JAX's own
@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 import offload
+import offload.serving
 import paged
 from examples.llama.model import Llama
 from examples.longctx_lm.generate import Retention, Server
@@ -98,7 +99,7 @@ def main(argv=None) -> dict:
                         help="with --retrieve: the prompt's pages wait in pinned host memory")  # fmt: skip
     parser.add_argument("--no-compilation-cache", action="store_true",
                         help="compile everything again (default: JAX's persistent cache in "
-                        "offload.default_compilation_cache_dir())")  # fmt: skip
+                        "offload.serving.default_compilation_cache_dir())")  # fmt: skip
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens: expected >= 1")
@@ -109,7 +110,7 @@ def main(argv=None) -> dict:
     if args.no_compilation_cache:  # also a cache JAX_COMPILATION_CACHE_DIR would open
         jax.config.update("jax_enable_compilation_cache", False)
     else:
-        offload.enable_compilation_cache()
+        offload.serving.enable_compilation_cache()
     retention = None
     if args.retrieve is not None:
         policy = offload.RetentionPolicy("streaming", args.retrieve, page_size=args.page_size, sink=1)  # fmt: skip

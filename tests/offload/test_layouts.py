@@ -35,6 +35,9 @@ LAYOUTS = {
     "stacked-pages": (True, (D,), ("seq",), lambda r: P(None, None, "seq")),
     "layer-pages-2d": (False, (2, D), ("data", "seq"), lambda r: P(None, "seq")),
     "stacked-heads-pages": (True, (2, D), ("kv", "seq"), lambda r: P(None, "kv", "seq")),
+    # A 0.3 cache's per-layer pools (paged.LayerPools of L [K, P, C, H] buffers).
+    "perlayer-single": ("layers", None, None, None),
+    "perlayer-pages": ("layers", (D,), ("seq",), lambda r: P(None, "seq")),
 }
 
 
@@ -44,10 +47,12 @@ def _pools(name, axis_type=AxisType.Auto, seed=0):
     rng = np.random.default_rng(seed)
     k = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    if stacked == "layers":  # separate per-layer buffers, each laid out as below
+        k, v = (paged.LayerPools(list(x)) for x in (k, v))
     if mesh_shape is not None:
         mesh = _mesh(mesh_shape, names, axis_type)
-        sharding = NamedSharding(mesh, spec(len(shape)))
-        k, v = jax.device_put((k, v), (sharding, sharding))
+        sharding = NamedSharding(mesh, spec(4 if stacked == "layers" else len(shape)))
+        k, v = jax.device_put((k, v), sharding)
     return k, v
 
 
@@ -88,7 +93,8 @@ def test_round_trip_every_layout(name, axis_type):
         assert host.k_pages.sharding.spec == k.sharding.spec
     # Back into other device pages of the same devices (reverse the pairing per block).
     targets = ids[::-1].copy() if not split else ids
-    k2, v2 = wait(page_in(host, slots, jnp.zeros_like(k), jnp.zeros_like(v), targets))
+    zeros = jax.tree.map(jnp.zeros_like, (k, v))  # per-layer pools stay per-layer
+    k2, v2 = wait(page_in(host, slots, *zeros, targets))
     assert k2.sharding.is_equivalent_to(k.sharding, k.ndim)
     assert k2.sharding.memory_kind == "device"
     expect_k = np.zeros(k.shape, np.float32)
@@ -181,11 +187,13 @@ def test_paged_cache_and_sharded_attention_after_offload():
     assert_close(attend(k_back, v_back), expected, dtype=jnp.float32, what="after offload")
 
 
-def test_manager_spill_and_restore_page_split_pool(tmp_path):
-    """Spilled pages of a page-split host pool come back to slots of their own devices."""
+@pytest.mark.parametrize("name", ["stacked-pages", "perlayer-pages"])
+def test_manager_spill_and_restore_page_split_pool(tmp_path, name):
+    """Spilled pages of a page-split host pool come back to slots of their own devices
+    (stacked pools, and a 0.3 cache's per-layer pools each split along its pages)."""
     from offload import DiskStore
 
-    k, v = _pools("stacked-pages", seed=5)
+    k, v = _pools(name, seed=5)
     manager = OffloadManager(make_host_page_pool(k, v, SLOTS), disk=DiskStore(tmp_path))
     ids = np.array([14, 0, 5])  # blocks 3, 0, 1
     manager.wait(manager.page_out(k, v, ids, request_id="r"))
@@ -200,9 +208,8 @@ def test_manager_spill_and_restore_page_split_pool(tmp_path):
     assert not set(slots.tolist()) & set(manager.host_slots("other").tolist())
     host_k = np.asarray(manager.host_pool.k_pages)
     np.testing.assert_array_equal(host_k[..., slots, :, :], np.asarray(k)[..., ids, :, :])
-    back_k, back_v = manager.wait(
-        manager.page_in(jnp.zeros_like(k), jnp.zeros_like(v), ids, request_id="r")
-    )
+    zeros = jax.tree.map(jnp.zeros_like, (k, v))
+    back_k, back_v = manager.wait(manager.page_in(*zeros, ids, request_id="r"))
     np.testing.assert_array_equal(np.asarray(back_v)[..., ids, :, :], np.asarray(v)[..., ids, :, :])
     # Block 0 has 2 slots, both taken; pages of block 0 on disk cannot come back.
     manager.wait(manager.page_out(k, v, [2], request_id="full"))  # block 0 is now full

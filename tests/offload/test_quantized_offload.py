@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import paged
 from offload import (
@@ -93,7 +94,9 @@ def _qpools(name, kind="int8", axis_type=AxisType.Auto, seed=0):
         k, v = (paged.quantize_pages(jnp.asarray(rng.standard_normal(shape)), fmt) for _ in "kv")
     if mesh_shape is not None:
         mesh = _mesh(mesh_shape, names, axis_type)
-        sharding = NamedSharding(mesh, spec(len(shape)))
+        # Per-layer pools are built stacked, laid out like each layer, then split.
+        layout = P(None, *spec(4)) if stacked == "layers" else spec(len(shape))
+        sharding = NamedSharding(mesh, layout)
         # The residual ([*L, K, B, C, H]: per sequence row) is no page pool: replicated.
         rest = NamedSharding(mesh, jax.sharding.PartitionSpec())
         k, v = (
@@ -104,6 +107,8 @@ def _qpools(name, kind="int8", axis_type=AxisType.Auto, seed=0):
             )
             for x in (k, v)
         )
+    if stacked == "layers":  # a 0.3 cache's per-layer pools: L separate QuantizedPages
+        k, v = (paged.LayerPools([jax.tree.map(lambda a, i=i: a[i], x) for i in range(L)]) for x in (k, v))  # fmt: skip
     return k, v
 
 
@@ -133,9 +138,13 @@ FP8_CASES = [
 ]
 
 
+# Per-layer pools (paged.LayerPools) have their own test below.
+STACK_CASES = [c for c in CASES if not c.values[0].startswith("perlayer")]
+
+
 @pytest.mark.parametrize(
     ("kind", "name", "axis_type"),
-    [pytest.param("int8", *c.values, id=f"int8-{c.id}") for c in CASES]
+    [pytest.param("int8", *c.values, id=f"int8-{c.id}") for c in STACK_CASES]
     + FP8_CASES
     + [
         # int4 and kivi2 in one layout each by default; every other layout with the slow tests
@@ -146,7 +155,7 @@ FP8_CASES = [
             marks=() if c.values[0] == "layer-single" else pytest.mark.slow,
         )
         for kind in ("int4", "kivi2")
-        for c in CASES
+        for c in STACK_CASES
         if c.values[1] == AxisType.Auto or c.values[0] == "stacked-heads-pages"
     ],
 )
@@ -668,3 +677,36 @@ def test_mixed_residency_with_kivi2_cold_pages_from_host():
             q, dev_k, dev_v, table, lengths, cold_table=jnp.asarray(cold_table),
             cold_k_pages=cold_v, cold_v_pages=cold_v,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "kivi2"])
+@pytest.mark.parametrize("name", ["perlayer-single", "perlayer-pages"])
+def test_per_layer_quantized_pools_move_like_the_stacked_ones(kind, name):
+    """Per-layer quantized pools (a 0.3 cache's, each layer split along its pages or not):
+    page_out, page_in and prefetch_layer give, layer by layer, exactly what the stacked pools
+    give."""
+    layers = _qpools(name, kind)
+    stacked = _qpools(name.replace("perlayer", "stacked"), kind)
+    assert isinstance(layers[0], paged.LayerPools)
+    results = {}
+    for label, (k, v) in (("layers", layers), ("stacked", stacked)):
+        host = make_host_page_pool(k, v, SLOTS)
+        ids, slots = page_pairs(host.page_shards)
+        host = wait(page_out(k, v, ids, host, slots))
+        zeros = jax.tree.map(jnp.zeros_like, (k, v))
+        back = wait(page_in(host, slots, *zeros, ids))
+        order = np.argsort(slots // (SLOTS // host.page_shards), kind="stable")
+        fetched = wait(prefetch_layer(host, slots[order], layer=1))
+        results[label] = (host, back, fetched, ids, order)
+    host_l, back_l, fetched_l, ids, order = results["layers"]
+    host_s, back_s, fetched_s, _, _ = results["stacked"]
+    assert host_l.page_shards == host_s.page_shards == (4 if "pages" in name else 1)
+    for layer in range(L):  # numpy first: a host array cannot be indexed on the device
+        for got, want in ((host_l.k_pages.layers[layer], host_s.k_pages),
+                          (back_l[1].layers[layer], back_s[1])):  # fmt: skip
+            for a, b in zip(_stored(got), _stored(want), strict=True):
+                np.testing.assert_array_equal(_bits(np.asarray(a)), _bits(np.asarray(b)[layer]))
+    for got, want in zip(fetched_l, fetched_s, strict=True):
+        _assert_same(got, want)
+        if "pages" in name:  # split along n like the pool along its pages
+            assert tuple(got.data.sharding.spec)[1] == "seq"
