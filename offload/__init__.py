@@ -153,6 +153,7 @@ _RETRIEVAL = (
     "StagedPages",
     "fetch_selected_pages",
     "retrieval_decode_attention",
+    "retrieval_decode_attention_jit",
     "with_host_bounds",
 )
 _MOVED = (

@@ -37,8 +37,9 @@ every layer reads only the ``budget`` pages its own query selects
 being written always read), ``budget`` a static count from the policy's keep fraction.
 With ``host=True`` the prompt's pages leave the device for pinned host memory, all but the
 sink pages and the trailing pages every step reads; their bounds stay on the device, and each
-step fetches only the host pages its query selects (``offload.retrieval``;
-see :mod:`examples.longctx_lm.host_retrieval`).
+step reads only the host pages its query selects, inside the jitted decode loop
+(``offload.retrieval.retrieval_decode_attention_jit``; see
+:mod:`examples.longctx_lm.host_retrieval`).
 
 :class:`Server` keeps one allocator and one pool for many calls, so later requests hit the
 prefix cache of earlier ones.
@@ -72,6 +73,7 @@ import numpy as np
 from flax import nnx
 
 import offload
+import offload.retrieval
 import paged
 from examples.longctx_lm import host_retrieval
 from examples.longctx_lm.model import Transformer
@@ -159,7 +161,7 @@ _prefill_chunk_jit = jax.jit(_prefill_chunk, static_argnums=(0, 7), donate_argnu
     jax.jit, static_argnums=(0, 6), static_argnames=("retrieve",), donate_argnums=(2, 3)
 )
 def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold=None,
-            bounds=None, retrieve=None):  # fmt: skip
+            bounds=None, retrieve=None, host=None):  # fmt: skip
     """``steps`` greedy tokens for every ``active [B]`` row (the others are empty rows: no
     page, nothing written); returns ``(tokens [B, steps], cache, stack, read [B, steps])``,
     ``read`` the pages each step's attention read, summed over layers (0 unless retrieving).
@@ -174,6 +176,14 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold
     selects (``paged.retrieval_attention``); the bounds of the page each step writes are
     refreshed (``paged.refresh_key_bounds``) after the step (that page is always read: it is
     the recent page, so the step's own selection does not need its new bound).
+
+    With ``host = (host_k, host_v, host_bounds, host_table)`` too (the prompt pages moved to a
+    per-layer pinned host pool, their bounds ``[L, K, P_host, H]`` on the device, the host
+    slot of each table slot ``[B, M]``), the selection runs over both tiers and the program
+    itself reads the selected host pages
+    (``offload.retrieval.retrieval_decode_attention_jit``): the whole loop runs with no host
+    round trip. ``read`` then counts pages read, and the fourth result is the bytes copied
+    from host per step (``[steps]``; else zeros).
     """
     model = nnx.merge(graphdef, state)
     B = token.shape[0]
@@ -183,6 +193,15 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold
         # The new token is already written at position lengths: attend over lengths + 1 keys.
         lengths = cache.lengths + 1
         k, v = cache.k_pages[layer], cache.v_pages[layer]
+        if host is not None:
+            budget, sink, recent, _ = retrieve
+            host_k, host_v, host_bounds, host_table = host
+            res = offload.retrieval.retrieval_decode_attention_jit(
+                q, k, v, bounds.layer(layer), table, host_k[layer], host_v[layer],
+                host_bounds.layer(layer), host_table, lengths, budget=budget, sink_pages=sink,
+                recent_pages=recent,
+            )  # fmt: skip
+            return res.out, (res.read_pages, res.fetched_bytes)
         if retrieve is not None:
             budget, sink, recent, per_kv_head = retrieve
             layer_bounds = bounds.layer(layer)
@@ -212,11 +231,14 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold
         return res.out, None
 
     def step(i, carry):
-        cache, stack, bounds, token, prev, out, read = carry
+        cache, stack, bounds, token, prev, out, read, fetched = carry
         cache, stack, ok = paged.ensure_next_page(cache, stack, active=active)
         positions = cache.lengths[:, None]
         attend_step = functools.partial(attend, table=cache.page_table, bounds=bounds)
         logits, cache, counts = _cached_forward(model, cache, token[:, None], prev[:, None], positions, attend_step)  # fmt: skip
+        if host is not None:
+            fetched = fetched.at[i].set(sum(c[1] for c in counts))
+            counts = [c[0] for c in counts]
         if retrieve is not None:
             read = read.at[:, i].set(sum(counts))
             for layer in range(len(model.blocks)):  # the written page's bounds, every layer
@@ -225,12 +247,13 @@ def _decode(graphdef, state, cache, stack, token, prev, steps: int, active, cold
                 )
         cache = paged.advance(cache, ok.astype(jnp.int32))
         nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-        return cache, stack, bounds, nxt, token, out.at[:, i].set(nxt), read
+        return cache, stack, bounds, nxt, token, out.at[:, i].set(nxt), read, fetched
 
     out = jnp.zeros((B, steps), jnp.int32)
-    carry = (cache, stack, bounds, token, prev, out, jnp.zeros((B, steps), jnp.int32))
-    cache, stack, _, _, _, out, read = jax.lax.fori_loop(0, steps, step, carry)
-    return out, cache, stack, read
+    zeros = jnp.zeros((B, steps), jnp.int32), jnp.zeros(steps, jnp.int32)
+    carry = (cache, stack, bounds, token, prev, out, *zeros)
+    cache, stack, _, _, _, out, read, fetched = jax.lax.fori_loop(0, steps, step, carry)
+    return out, cache, stack, read, fetched
 
 
 class PromptView(NamedTuple):
@@ -588,17 +611,15 @@ class Server:
         token = jnp.asarray(full[np.arange(B), last])
         prev = jnp.asarray(prev_full[np.arange(B), last])
         active = jnp.asarray(writes > 0)
-        if host is not None:  # retrieve from the host tier
-            budget, sink, recent, _ = options
-            res = host_retrieval.decode(
-                self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active,
-                bounds, host, budget=budget, sink=sink, recent=recent,
-            )  # fmt: skip
-            out, cache, stack, read = res.tokens, res.cache, res.stack, res.read_pages
-            tiers = {**info.tier_bytes, "staging": res.peak_staging_bytes}
-            info = info._replace(moved_bytes=info.moved_bytes + res.fetched_bytes, tier_bytes=tiers)  # fmt: skip
-        else:
-            out, cache, stack, read = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active, cold, bounds, retrieve=options)  # fmt: skip
+        tier = None
+        if host is not None:  # retrieve from the host tier, inside the jitted loop
+            tier = (host.pool.k_pages, host.pool.v_pages, host.bounds, jnp.asarray(host.table))
+        out, cache, stack, read, fetched = _decode(self.graphdef, self.state, cache, stack, token, prev, max_new_tokens, active, cold, bounds, retrieve=options, host=tier)  # fmt: skip
+        if host is not None:
+            # The program stages the budget's entries of every row per layer step.
+            staging = (1 + B * options[0]) * host.pool.page_nbytes // self.model.cfg.num_layers
+            tiers = {**info.tier_bytes, "staging": staging}
+            info = info._replace(moved_bytes=info.moved_bytes + int(np.asarray(fetched).sum()), tier_bytes=tiers)  # fmt: skip
         if retrieve:
             # Step i attends over last + i + 1 tokens: its pages in every layer.
             steps = last[:, None] + np.arange(1, max_new_tokens + 1)[None]

@@ -52,11 +52,13 @@ from offload.retrieval._decode import (
     retrieval_decode_attention,
     with_host_bounds,
 )
+from offload.retrieval._in_program import retrieval_decode_attention_jit
 
 __all__: list[str] = [
     "RetrievalDecode",
     "StagedPages",
     "fetch_selected_pages",
     "retrieval_decode_attention",
+    "retrieval_decode_attention_jit",
     "with_host_bounds",
 ]

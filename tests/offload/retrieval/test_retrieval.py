@@ -142,3 +142,69 @@ def test_a_policy_in_retrieve_mode_feeds_the_retrieval_decode():
         want = paged.retrieval_attention(q, cache.k_pages[1], cache.v_pages[1], bounds.layer(1),
                                          cache.page_table, cache.lengths, budget=budget)  # fmt: skip
         np.testing.assert_allclose(np.asarray(res.out), np.asarray(want.out), atol=1e-5)
+
+
+def _per_layer_host(cache, host, host_table):
+    """A per-layer host pool (as a 0.3 cache's LayerPools make) holding the pages ``host``
+    holds, at the same slots."""
+    import jax
+
+    table = np.asarray(cache.page_table)
+    where = np.argwhere(host_table >= 0)
+    slots = np.array([host_table[b, j] for b, j in where], np.int32)
+    ids = np.array([table[b, j] for b, j in where], np.int32)
+    L = cache.k_pages.shape[0]
+    split = lambda x: paged.LayerPools([jax.tree.map(lambda a, i=i: a[i], x) for i in range(L)])  # fmt: skip
+    kp, vp = split(cache.k_pages), split(cache.v_pages)
+    out = wait(page_out(kp, vp, ids, make_host_page_pool(kp, vp, host.num_slots), slots))
+    assert isinstance(out.k_pages, paged.LayerPools)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8", "int4", "kivi2"])
+@pytest.mark.parametrize("budget", [3, 6])
+def test_in_program_retrieval_equals_the_host_orchestrated_one(kind, budget):
+    """retrieval_decode_attention_jit under jax.jit (the selected host pages read by the
+    program from the per-layer host pool) gives the outputs, log-sum-exps and pages read of
+    retrieval_decode_attention (the fetch orchestrated from the host), never reads a scrubbed
+    device copy, and counts one copied page per selected host entry."""
+    import functools
+
+    import jax
+
+    from offload.retrieval import retrieval_decode_attention_jit
+
+    cache, bounds, k, v, device_table, host, host_bounds, host_table, q = demoted_setup(kind, 2)
+    layers = _per_layer_host(cache, host, host_table)  # the same pages, one buffer per layer
+    step = jax.jit(functools.partial(retrieval_decode_attention_jit, budget=budget))
+    per_page = host.page_nbytes // 2  # one layer's keys and values
+    for layer in range(2):
+        want = retrieval_decode_attention(
+            q, k[layer], v[layer], bounds.layer(layer), device_table, host,
+            host_bounds.layer(layer), jnp.asarray(host_table), cache.lengths,
+            layer=layer, budget=budget,
+        )  # fmt: skip
+        got = step(
+            q, k[layer], v[layer], bounds.layer(layer), device_table, layers.k_pages[layer],
+            layers.v_pages[layer], host_bounds.layer(layer), jnp.asarray(host_table), cache.lengths,
+        )  # fmt: skip
+        assert np.isfinite(np.asarray(got.out)).all(), "a scrubbed device copy was read"
+        np.testing.assert_allclose(np.asarray(got.out), np.asarray(want.out), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got.lse), np.asarray(want.lse), atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got.read_pages), np.asarray(want.read_pages))
+        # Rows here select distinct host pages, so entries copied = distinct pages fetched.
+        assert int(got.fetched_pages) == want.fetched_pages > 0
+        assert int(got.fetched_bytes) == want.fetched_pages * per_page
+
+
+@pytest.mark.no_typecheck
+def test_in_program_retrieval_refuses_a_stacked_host_pool():
+    from offload.retrieval import retrieval_decode_attention_jit
+
+    cache, bounds, k, v, device_table, host, host_bounds, host_table, q = demoted_setup("float32")
+    stacked = host.k_pages  # [L, K, P_host, C, H]
+    with pytest.raises(ValueError, match=r"host_k_pages: expected one layer's host pool"):
+        retrieval_decode_attention_jit(
+            q, k[0], v[0], bounds.layer(0), device_table, stacked, stacked,
+            host_bounds.layer(0), jnp.asarray(host_table), cache.lengths, budget=3,
+        )  # fmt: skip
