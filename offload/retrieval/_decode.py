@@ -217,6 +217,38 @@ class RetrievalDecode(NamedTuple):
     fetched_bytes: int
 
 
+def checked_walk(fn, k_pages, bounds, host_bounds, num_slots, tables, options):
+    """The checks both retrieval decodes share: one layer's ``bounds`` ``[K, P, H]`` and
+    ``host_bounds`` ``[K, num_slots, H]`` against ``k_pages`` ``[K, P, C, H]``, ``tables =
+    (device_table, host_table)`` of one shape, ``options = (budget, sink_pages, recent_pages)``
+    (a kivi2 pool's residual window counted among the recent pages). Returns the static
+    ``walk = (C, budget, sink, recent)`` of :func:`_select_tiers`."""
+    if not isinstance(bounds, PageKeyBounds) or not isinstance(host_bounds, PageKeyBounds):
+        raise ValueError(f"{fn}: bounds / host_bounds: expected one layer's paged.PageKeyBounds each")  # fmt: skip
+    if bounds.k_min.ndim != 3 or host_bounds.k_min.ndim != 3:
+        raise ValueError(
+            f"{fn}: bounds / host_bounds: expected one layer's [K, P, H] and [K, P_host, H], got "
+            f"{tuple(bounds.k_min.shape)} and {tuple(host_bounds.k_min.shape)}"
+        )
+    K, P, C, H = k_pages.shape
+    if tuple(bounds.k_min.shape) != (K, P, H):
+        raise ValueError(f"{fn}: bounds: expected [K, P, H] = {(K, P, H)} (the pool's), got {tuple(bounds.k_min.shape)}")  # fmt: skip
+    if tuple(host_bounds.k_min.shape) != (K, num_slots, H):
+        raise ValueError(f"{fn}: host_bounds: expected [K, P_host, H] = {(K, num_slots, H)}, got {tuple(host_bounds.k_min.shape)}")  # fmt: skip
+    device_table, host_table = tables
+    if tuple(host_table.shape) != tuple(device_table.shape):
+        raise ValueError(f"{fn}: host_table: expected device_table's shape {tuple(device_table.shape)}, got {tuple(host_table.shape)}")  # fmt: skip
+    budget, sink_pages, recent_pages = options
+    budget = check_int(fn, "budget", budget, low=1)
+    sink = check_int(fn, "sink_pages", sink_pages, low=0)
+    recent = check_int(fn, "recent_pages", recent_pages, low=0)
+    if getattr(k_pages, "residual", None) is not None:
+        recent = max(recent, k_pages.format.residual_pages(C))
+    if sink + recent > budget:
+        raise ValueError(f"{fn}: budget: expected at least sink_pages + recent_pages = {sink + recent}, got {budget}")  # fmt: skip
+    return C, budget, sink, recent
+
+
 @functools.partial(jax.jit, static_argnums=(4,))
 def _select_tiers(q, tier_bounds, tables, lengths, walk: tuple[int, int, int, int]):
     """Selects over both tiers' pages: ``tier_bounds = (bounds, host_bounds)``, ``tables =
@@ -330,36 +362,17 @@ def retrieval_decode_attention(
       ([2], 1)
     """
     fn = "retrieval_decode_attention"
-    if not isinstance(bounds, PageKeyBounds) or not isinstance(host_bounds, PageKeyBounds):
-        raise ValueError(f"{fn}: bounds / host_bounds: expected one layer's paged.PageKeyBounds each")  # fmt: skip
-    if bounds.k_min.ndim != 3 or host_bounds.k_min.ndim != 3:
-        raise ValueError(
-            f"{fn}: bounds / host_bounds: expected one layer's [K, P, H] and [K, P_host, H], got "
-            f"{tuple(bounds.k_min.shape)} and {tuple(host_bounds.k_min.shape)}"
-        )
     check_host(fn, host_pool)
-    K, P, C, H = k_pages.shape
-    if tuple(bounds.k_min.shape) != (K, P, H):
-        raise ValueError(f"{fn}: bounds: expected [K, P, H] = {(K, P, H)} (the pool's), got {tuple(bounds.k_min.shape)}")  # fmt: skip
+    K, _, C, H = k_pages.shape
     host_shape = host_pool.k_pages.shape
     if host_pool.k_pages.ndim != 5 or (host_shape[1], *host_shape[3:]) != (K, C, H):
         raise ValueError(f"{fn}: host_pool: expected [L, K={K}, P_host, C={C}, H={H}], got {tuple(host_shape)}")  # fmt: skip
-    if tuple(host_bounds.k_min.shape) != (K, host_shape[2], H):
-        raise ValueError(f"{fn}: host_bounds: expected [K, P_host, H] = {(K, host_shape[2], H)}, got {tuple(host_bounds.k_min.shape)}")  # fmt: skip
-    if tuple(host_table.shape) != tuple(device_table.shape):
-        raise ValueError(f"{fn}: host_table: expected device_table's shape {tuple(device_table.shape)}, got {tuple(host_table.shape)}")  # fmt: skip
+    tables = (device_table, host_table)
+    walk = checked_walk(fn, k_pages, bounds, host_bounds, host_shape[2], tables,
+                        (budget, sink_pages, recent_pages))  # fmt: skip
     layer = check_int(fn, "layer", layer, low=0, high=host_shape[0])
-    budget = check_int(fn, "budget", budget, low=1)
-    sink = check_int(fn, "sink_pages", sink_pages, low=0)
-    recent = check_int(fn, "recent_pages", recent_pages, low=0)
-    if getattr(k_pages, "residual", None) is not None:
-        recent = max(recent, k_pages.format.residual_pages(C))
-    if sink + recent > budget:
-        raise ValueError(f"{fn}: budget: expected at least sink_pages + recent_pages = {sink + recent}, got {budget}")  # fmt: skip
     tables = (device_table, jnp.asarray(host_table, jnp.int32))
-    on_device, in_host, lengths_c, offset, count = _select_tiers(
-        q, (bounds, host_bounds), tables, lengths, (C, budget, sink, recent)
-    )
+    on_device, in_host, lengths_c, offset, count = _select_tiers(q, (bounds, host_bounds), tables, lengths, walk)  # fmt: skip
     staged = fetch_selected_pages(host_pool, in_host, layer=layer, stats=stats, request_id=request_id)  # fmt: skip
     compacted = (on_device, lengths, lengths_c, offset)
     stage = (jnp.asarray(staged.table), staged.k_pages, staged.v_pages)

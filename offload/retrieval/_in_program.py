@@ -1,17 +1,33 @@
 """The two-tier retrieval decode inside one jitted program: the selected host pages are read
 from pinned host memory by the program itself, so a decode step needs no host round trip."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from offload._checks import check_int
-from offload._host_pool import leaves, rebuild
-from offload.retrieval._decode import RetrievalDecode, _attend_tiers, _select_tiers
+from offload.retrieval._decode import RetrievalDecode, _attend_tiers, _select_tiers, checked_walk
 from paged import PageKeyBounds, QuantizedPages
 
 __all__ = ["retrieval_decode_attention_jit"]
+
+
+def _leaves(pool) -> list:
+    """A layer pool's stored arrays: data and scales (kivi2: and zero-points), or the float
+    array."""
+    if isinstance(pool, QuantizedPages):
+        return [pool.data, pool.scale] + ([] if pool.zero is None else [pool.zero])
+    return [pool]
+
+
+def _rebuild(like, arrays):
+    if isinstance(like, QuantizedPages):
+        data, scale, *zero = arrays
+        return dataclasses.replace(like, data=data, scale=scale, zero=zero[0] if zero else None)
+    (array,) = arrays
+    return array
 
 
 def _fetch(host_leaves, slots):
@@ -41,13 +57,13 @@ def _fetch(host_leaves, slots):
 
 def _host_pages(k_pool, v_pool, slots):
     """The staging key and value pools of ``slots`` (:func:`_fetch`, one loop for both)."""
-    nk = len(leaves(k_pool))
-    out = _fetch(leaves(k_pool) + leaves(v_pool), slots)
-    return rebuild(k_pool, out[:nk]), rebuild(v_pool, out[nk:])
+    nk = len(_leaves(k_pool))
+    out = _fetch(_leaves(k_pool) + _leaves(v_pool), slots)
+    return _rebuild(k_pool, out[:nk]), _rebuild(v_pool, out[nk:])
 
 
 def _page_bytes(pool) -> int:
-    return sum(leaf.nbytes // leaf.shape[1] for leaf in leaves(pool))
+    return sum(leaf.nbytes // leaf.shape[1] for leaf in _leaves(pool))
 
 
 def retrieval_decode_attention_jit(
@@ -108,10 +124,7 @@ def retrieval_decode_attention_jit(
       ([2], 1)
     """
     fn = "retrieval_decode_attention_jit"
-    for name, b, rank in (("bounds", bounds, "[K, P, H]"), ("host_bounds", host_bounds, "[K, P_host, H]")):  # fmt: skip
-        if not isinstance(b, PageKeyBounds) or b.k_min.ndim != 3:
-            raise ValueError(f"{fn}: {name}: expected one layer's paged.PageKeyBounds {rank}, got {b!r}")  # fmt: skip
-    K, P, C, H = k_pages.shape
+    K, _, C, H = k_pages.shape
     for name, pool in (("host_k_pages", host_k_pages), ("host_v_pages", host_v_pages)):
         shape = tuple(pool.shape)
         if len(shape) != 4 or (shape[0], *shape[2:]) != (K, C, H):
@@ -121,23 +134,11 @@ def retrieval_decode_attention_jit(
             )
         if isinstance(pool, QuantizedPages) != isinstance(k_pages, QuantizedPages):
             raise ValueError(f"{fn}: {name}: expected the device pool's kind (float or quantized)")  # fmt: skip
-    if tuple(bounds.k_min.shape) != (K, P, H):
-        raise ValueError(f"{fn}: bounds: expected [K, P, H] = {(K, P, H)} (the pool's), got {tuple(bounds.k_min.shape)}")  # fmt: skip
-    if tuple(host_bounds.k_min.shape) != (K, host_k_pages.shape[1], H):
-        raise ValueError(f"{fn}: host_bounds: expected [K, P_host, H] = {(K, host_k_pages.shape[1], H)}, got {tuple(host_bounds.k_min.shape)}")  # fmt: skip
-    if tuple(host_table.shape) != tuple(device_table.shape):
-        raise ValueError(f"{fn}: host_table: expected device_table's shape {tuple(device_table.shape)}, got {tuple(host_table.shape)}")  # fmt: skip
-    budget = check_int(fn, "budget", budget, low=1)
-    sink = check_int(fn, "sink_pages", sink_pages, low=0)
-    recent = check_int(fn, "recent_pages", recent_pages, low=0)
-    if getattr(k_pages, "residual", None) is not None:
-        recent = max(recent, k_pages.format.residual_pages(C))
-    if sink + recent > budget:
-        raise ValueError(f"{fn}: budget: expected at least sink_pages + recent_pages = {sink + recent}, got {budget}")  # fmt: skip
+    tables = (device_table, host_table)
+    walk = checked_walk(fn, k_pages, bounds, host_bounds, host_k_pages.shape[1], tables,
+                        (budget, sink_pages, recent_pages))  # fmt: skip
     tables = (device_table, jnp.asarray(host_table, jnp.int32))
-    on_device, in_host, lengths_c, offset, count = _select_tiers(
-        q, (bounds, host_bounds), tables, lengths, (C, budget, sink, recent)
-    )
+    on_device, in_host, lengths_c, offset, count = _select_tiers(q, (bounds, host_bounds), tables, lengths, walk)  # fmt: skip
     B, W = in_host.shape
     slots = in_host.reshape(-1).astype(jnp.int32)
     stage_k, stage_v = _host_pages(host_k_pages, host_v_pages, slots)
