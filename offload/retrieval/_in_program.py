@@ -95,13 +95,24 @@ def retrieval_decode_attention_jit(
     ``[K, 1 + B * budget, C, H]`` on the device.
 
     Args:
-      q, k_pages, v_pages, bounds, device_table, host_bounds, host_table, lengths, budget,
-        sink_pages, recent_pages, softcap, scale, sinks: as in
-        :func:`retrieval_decode_attention`.
+      q: ``[B, T, N, H]`` queries, as in :func:`retrieval_decode_attention`.
+      k_pages: the layer's device key pool ``[K, P, C, H]`` (float or quantized).
+      v_pages: the layer's device value pool.
+      bounds: the layer's device ``paged.PageKeyBounds`` ``[K, P, H]``.
+      device_table: ``[B, M]`` int device page per slot (0 = not on the device).
       host_k_pages: the layer's host key pool ``[K, P_host, C, H]`` in pinned host memory
         (float or ``paged.QuantizedPages``): one layer of a per-layer host pool,
         ``host_pool.k_pages[layer]`` (a host pool made from a cache's ``paged.LayerPools``).
       host_v_pages: the layer's host value pool.
+      host_bounds: the layer's host bounds ``[K, P_host, H]``.
+      host_table: ``[B, M]`` int host slot per slot (``-1`` = not in host).
+      lengths: ``[B]`` int tokens per sequence (the queries' included).
+      budget: pages read per sequence (static).
+      sink_pages: leading pages always read.
+      recent_pages: trailing pages always read.
+      softcap: as in ``paged.paged_attention``.
+      scale: as in ``paged.paged_attention``.
+      sinks: ``[N]`` sink logits.
 
     Returns:
       :class:`RetrievalDecode`; ``fetched_pages`` and ``fetched_bytes`` are int32 scalars
