@@ -35,25 +35,42 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_COMMITS = ("88df8c8", "HEAD")
 
 
-def child(length: int, repeats: int) -> dict:
-    """Runs in the commit's process: only ``ringattn``'s public API of every commit."""
+def _inputs(length: int):
+    """``q, k, v [1, length, 8, 64]`` float32, the same in every process."""
+    import jax
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    return tuple(jax.random.normal(key, (1, length, 8, 64)) for key in keys)
+
+
+def _fwd(causal: bool):
+    import jax
+
+    import ringattn
+
+    return jax.jit(lambda q, k, v: ringattn.blockwise_attention(q, k, v, causal=causal)[0])
+
+
+def _fwd_bwd(causal: bool):
+    """The gradients of a loss through ``blockwise_attention`` (forward and backward), jitted."""
     import jax
     import jax.numpy as jnp
 
     import ringattn
 
-    B, N, H = 1, 8, 64
-    q, k, v = (jax.random.normal(key, (B, length, N, H)) for key in jax.random.split(jax.random.key(0), 3))  # fmt: skip
+    loss = lambda q, k, v: jnp.sum(ringattn.blockwise_attention(q, k, v, causal=causal)[0] * v)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
-    def fwd(causal):
-        return jax.jit(lambda q, k, v: ringattn.blockwise_attention(q, k, v, causal=causal)[0])
 
-    def fwd_bwd(causal):
-        loss = lambda q, k, v: jnp.sum(ringattn.blockwise_attention(q, k, v, causal=causal)[0] * v)  # fmt: skip
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+def child(length: int, repeats: int) -> dict:
+    """Runs in the commit's process: only ``ringattn``'s public API of every commit. It times
+    by itself (interleaved rounds, best of ``repeats``) rather than with ``_common``, which in
+    that process is the old commit's."""
+    import jax
 
-    fns = {"fwd_causal": fwd(True), "fwd_full": fwd(False), "fb_full": fwd_bwd(False),
-           "fb_causal": fwd_bwd(True)}  # fmt: skip
+    q, k, v = _inputs(length)
+    fns = {"fwd_causal": _fwd(True), "fwd_full": _fwd(False), "fb_full": _fwd_bwd(False),
+           "fb_causal": _fwd_bwd(True)}  # fmt: skip
     for f in fns.values():
         jax.block_until_ready(f(q, k, v))
     best = dict.fromkeys(fns, float("inf"))
@@ -72,13 +89,9 @@ def child(length: int, repeats: int) -> dict:
 def barrier_ab(length: int, repeats: int) -> dict:
     """Blockwise fwd+bwd with the backward's optimization_barrier and with the identity."""
     import jax
-    import jax.numpy as jnp
     from jax import lax
 
-    import ringattn
-
-    B, N, H = 1, 8, 64
-    q, k, v = (jax.random.normal(key, (B, length, N, H)) for key in jax.random.split(jax.random.key(0), 3))  # fmt: skip
+    q, k, v = _inputs(length)
     barrier = lax.optimization_barrier
     fns = {}
     try:
@@ -88,8 +101,7 @@ def barrier_ab(length: int, repeats: int) -> dict:
             lax.optimization_barrier = barrier if keep else (lambda x: x)
             jax.clear_caches()  # the kernels' traces are cached per function
             for causal in (False, True):
-                loss = lambda q, k, v, c=causal: jnp.sum(ringattn.blockwise_attention(q, k, v, causal=c)[0] * v)  # fmt: skip
-                lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
+                lowered = _fwd_bwd(causal).lower(q, k, v)
                 found = lowered.as_text().count("optimization_barrier")
                 if (found > 0) != keep:
                     raise RuntimeError(f"barrier kept={keep}: {found} barriers in the program")

@@ -33,7 +33,6 @@ without torch), and each per shape.
 import functools
 import json
 import os
-import time
 
 import numpy as np
 
@@ -52,12 +51,7 @@ def memcpy_rate(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Bytes/s of a large ``numpy`` copy (read + write counted once: the bytes moved)."""
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
+    return nbytes / _common.time_call(np.copyto, dst, src, repeats=repeats).best
 
 
 def read_rate(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -68,15 +62,7 @@ def read_rate(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     import jax.numpy as jnp
 
     x = jnp.ones(nbytes // 4, jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    del x
-    return nbytes / best
+    return nbytes / _common.time_call(jax.jit(jnp.sum), x, repeats=repeats).best
 
 
 def jax_prefill(model):

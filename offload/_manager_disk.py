@@ -172,8 +172,9 @@ class DiskTier:
         pool = self._host_pool
         arrays = store.get(request_id)  # verified; raises before anything changes
         parts = self._check_entry(fn, request_id, arrays, pool.k_pages, pool.v_pages)
-        k = parts[0]
-        n = k.shape[-3]
+        n = parts[0].shape[-3]
+        half = len(parts) // 2  # the pool's leaves (layer by layer if per-layer), keys first
+        split = _layer_leaves(pool.k_pages, parts[:half]) + _layer_leaves(pool.v_pages, parts[half:])  # fmt: skip
         shards = page_shards(pool.k_pages)
         if shards > 1:
             block = arrays.get("block")
@@ -189,8 +190,6 @@ class DiskTier:
             slots = self._take_slots(
                 fn, block.astype(np.int64) * per_slot, pool.num_slots, "request_id"
             )
-            half = len(parts) // 2
-            split = _layer_leaves(pool.k_pages, parts[:half]) + _layer_leaves(pool.v_pages, parts[half:])  # fmt: skip
             new_k, new_v = scatter_pages(
                 (pool.k_pages, pool.v_pages), split, np.asarray(slots, np.int32)
             )
@@ -202,13 +201,11 @@ class DiskTier:
                 )
             flat = leaves(pool.k_pages) + leaves(pool.v_pages)
             shardings = [leaf.sharding.with_memory_kind(PINNED_HOST) for leaf in flat]
-            half = len(parts) // 2
-            split = _layer_leaves(pool.k_pages, parts[:half]) + _layer_leaves(pool.v_pages, parts[half:])  # fmt: skip
             staged = jax.device_put(split, shardings)
-            half = len(staged) // 2
+            keys = len(flat) // 2
             slots = self._free[:n]
             new_k, new_v, _ = copy_pages(
-                (rebuild(pool.k_pages, staged[:half]), rebuild(pool.v_pages, staged[half:])),
+                (rebuild(pool.k_pages, staged[:keys]), rebuild(pool.v_pages, staged[keys:])),
                 (pool.k_pages, pool.v_pages),
                 np.arange(n, dtype=np.int32),
                 np.asarray(slots),

@@ -367,11 +367,10 @@ def retrieval_decode_attention(
     host_shape = host_pool.k_pages.shape
     if host_pool.k_pages.ndim != 5 or (host_shape[1], *host_shape[3:]) != (K, C, H):
         raise ValueError(f"{fn}: host_pool: expected [L, K={K}, P_host, C={C}, H={H}], got {tuple(host_shape)}")  # fmt: skip
-    tables = (device_table, host_table)
+    tables = (device_table, jnp.asarray(host_table, jnp.int32))
     walk = checked_walk(fn, k_pages, bounds, host_bounds, host_shape[2], tables,
                         (budget, sink_pages, recent_pages))  # fmt: skip
     layer = check_int(fn, "layer", layer, low=0, high=host_shape[0])
-    tables = (device_table, jnp.asarray(host_table, jnp.int32))
     on_device, in_host, lengths_c, offset, count = _select_tiers(q, (bounds, host_bounds), tables, lengths, walk)  # fmt: skip
     staged = fetch_selected_pages(host_pool, in_host, layer=layer, stats=stats, request_id=request_id)  # fmt: skip
     compacted = (on_device, lengths, lengths_c, offset)

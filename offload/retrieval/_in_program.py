@@ -1,8 +1,6 @@
 """The two-tier retrieval decode inside one jitted program: the selected host pages are read
 from pinned host memory by the program itself, so a decode step needs no host round trip."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -12,22 +10,6 @@ from offload.retrieval._decode import RetrievalDecode, _attend_tiers, _select_ti
 from paged import PageKeyBounds, QuantizedPages
 
 __all__ = ["retrieval_decode_attention_jit"]
-
-
-def _leaves(pool) -> list:
-    """A layer pool's stored arrays: data and scales (kivi2: and zero-points), or the float
-    array."""
-    if isinstance(pool, QuantizedPages):
-        return [pool.data, pool.scale] + ([] if pool.zero is None else [pool.zero])
-    return [pool]
-
-
-def _rebuild(like, arrays):
-    if isinstance(like, QuantizedPages):
-        data, scale, *zero = arrays
-        return dataclasses.replace(like, data=data, scale=scale, zero=zero[0] if zero else None)
-    (array,) = arrays
-    return array
 
 
 def _fetch(host_leaves, slots):
@@ -55,15 +37,16 @@ def _fetch(host_leaves, slots):
     return lax.fori_loop(0, slots.shape[0], body, [staging(leaf) for leaf in host_leaves])
 
 
-def _host_pages(k_pool, v_pool, slots):
-    """The staging key and value pools of ``slots`` (:func:`_fetch`, one loop for both)."""
-    nk = len(_leaves(k_pool))
-    out = _fetch(_leaves(k_pool) + _leaves(v_pool), slots)
-    return _rebuild(k_pool, out[:nk]), _rebuild(v_pool, out[nk:])
+def _host_pages(pools, slots):
+    """The staging ``(k, v)`` pools of ``slots`` (:func:`_fetch` over every stored array of
+    both pools, in one loop; a host pool has no kivi2 residual)."""
+    arrays, treedef = jax.tree.flatten(pools)
+    return jax.tree.unflatten(treedef, _fetch(arrays, slots))
 
 
-def _page_bytes(pool) -> int:
-    return sum(leaf.nbytes // leaf.shape[1] for leaf in _leaves(pool))
+def _page_bytes(pools) -> int:
+    """Bytes of one page of a layer's ``(k, v)`` pools (page axis 1 of every stored array)."""
+    return sum(x.nbytes // x.shape[1] for x in jax.tree.leaves(pools))
 
 
 def retrieval_decode_attention_jit(
@@ -145,19 +128,18 @@ def retrieval_decode_attention_jit(
             )
         if isinstance(pool, QuantizedPages) != isinstance(k_pages, QuantizedPages):
             raise ValueError(f"{fn}: {name}: expected the device pool's kind (float or quantized)")  # fmt: skip
-    tables = (device_table, host_table)
+    tables = (device_table, jnp.asarray(host_table, jnp.int32))
     walk = checked_walk(fn, k_pages, bounds, host_bounds, host_k_pages.shape[1], tables,
                         (budget, sink_pages, recent_pages))  # fmt: skip
-    tables = (device_table, jnp.asarray(host_table, jnp.int32))
     on_device, in_host, lengths_c, offset, count = _select_tiers(q, (bounds, host_bounds), tables, lengths, walk)  # fmt: skip
     B, W = in_host.shape
     slots = in_host.reshape(-1).astype(jnp.int32)
-    stage_k, stage_v = _host_pages(host_k_pages, host_v_pages, slots)
+    stage_k, stage_v = _host_pages((host_k_pages, host_v_pages), slots)
     entry = 1 + jnp.arange(B * W, dtype=jnp.int32).reshape(B, W)
     stage_table = jnp.where(in_host >= 0, entry, 0)
     compacted = (on_device, lengths, lengths_c, offset)
     stage = (stage_table, stage_k, stage_v)
     res = _attend_tiers(q, (k_pages, v_pages), compacted, stage, sinks, (softcap, scale))
     fetched = jnp.sum(in_host >= 0).astype(jnp.int32)
-    page_bytes = _page_bytes(host_k_pages) + _page_bytes(host_v_pages)
+    page_bytes = _page_bytes((host_k_pages, host_v_pages))
     return RetrievalDecode(res.out, res.lse, count, fetched, fetched * page_bytes)
